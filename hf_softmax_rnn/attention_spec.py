@@ -1,0 +1,407 @@
+"""One validated description of an attention variant, and the paper's presets.
+
+`AttentionSpec` is the single schema for the attention choice. Every other part of the
+package (ops, layers, model configs, scripts) reads it and never re-validates strings.
+It round-trips through a plain dict so that it can live inside a `PretrainedConfig`.
+
+This module imports only the standard library and torch-free code so that it can be
+copied flat next to a checkpoint for `trust_remote_code` loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("softmax", "recurrent_softmax", "linear")
+FEATURE_MAPS = ("identity", "elu", "relu", "cosine", "taylor", "hedgehog")
+NORMALIZERS = (
+    "softmax",
+    "l2",
+    "rms",
+    "layer",
+    "seqlen",
+    "seqlen_rms",
+    "seqlen_layer",
+    "seqlen_pow",
+    "clamp",
+    "detach",
+    "detach_eps",
+    "none",
+)
+#: Normalisers that ignore a positive per-row factor of the scores (up to eps), so exp may
+#: be computed as exp(x - rowmax).
+ROW_SCALE_INVARIANT_NORMALIZERS = ("softmax", "l2", "rms", "layer", "seqlen_rms", "seqlen_layer")
+#: Normalisers that read the denominator G_t = sum_s score_ts.
+DENOMINATOR_NORMALIZERS = ("softmax", "clamp", "detach", "detach_eps")
+#: Normalisers with learned parameters (owned by the layer, passed to the ops).
+LEARNED_NORMALIZERS = ("rms", "layer", "seqlen_rms", "seqlen_layer", "seqlen_pow")
+OUTPUT_GATE_POSITIONS = ("after_norm", "before_norm")
+MODES = ("parallel", "chunked", "recurrent")
+
+#: Largest recurrent state (numerator + denominator, one KV head, float32) accepted by
+#: default; a larger Taylor state raises with its size instead of exhausting memory.
+DEFAULT_MAX_STATE_BYTES = 256 * 2**20
+
+
+def _choice_error(field: str, value: Any, allowed: tuple) -> ValueError:
+    return ValueError(f"AttentionSpec.{field}={value!r} is not allowed; expected one of {list(allowed)}")
+
+
+def taylor_feature_dim(head_dim: int, order: int) -> int:
+    """Size of the Taylor feature map phi_N in the symmetric monomial basis:
+    sum_{n<=N} C(d+n-1, n) (d=64: 1 + 64 + 2080 for N = 2)."""
+    return sum(math.comb(head_dim + n - 1, n) for n in range(order + 1))
+
+
+@dataclass
+class AttentionSpec:
+    """The attention variant of one layer.
+
+    Fields:
+        kind: "softmax" (exact softmax, SDPA), "recurrent_softmax" (exp(q.k) or its Taylor
+            truncation, with any normaliser) or "linear" (phi(q).phi(k) with a feature map).
+        taylor_order: for recurrent_softmax, None = exact exp, N >= 0 = exp truncated at
+            order N (a finite RNN). For linear with feature_map="taylor", the order of phi_N.
+        feature_map: for linear only: identity, elu (elu+1), relu, cosine, taylor, hedgehog.
+        normalizer: how N_t (the numerator) becomes the output; see NORMALIZERS and SPEC s.2.
+        score_clamp: exp(min(x, c)) (or kernel clamped at c); None = no clamp.
+        input_gate / output_gate: sigmoid gates from the layer input (SPEC s.2).
+        output_gate_position: "after_norm" (default) or "before_norm" (inert before an
+            invariant norm, kept for the paper's ablation).
+        chunk_size: chunk length C of the chunked mode.
+        qk_scale: multiplier of q.k (or phi(q).phi(k)); None = 1/sqrt(head_dim). The linear
+            elu, relu and cosine presets set 1.0: the authors applied no scale there.
+        hedgehog_dim: feature width of the hedgehog map before the [Wx, -Wx] doubling;
+            None = head_dim.
+        norm_eps: epsilon of the l2, rms and layer normalisers.
+    """
+
+    kind: str = "softmax"
+    taylor_order: int | None = None
+    feature_map: str | None = None
+    normalizer: str = "softmax"
+    score_clamp: float | None = None
+    input_gate: bool = False
+    output_gate: bool = False
+    output_gate_position: str = "after_norm"
+    chunk_size: int = 64
+    qk_scale: float | None = None
+    hedgehog_dim: int | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        if self.kind not in KINDS:
+            raise _choice_error("kind", self.kind, KINDS)
+        if self.normalizer not in NORMALIZERS:
+            raise _choice_error("normalizer", self.normalizer, NORMALIZERS)
+        if self.output_gate_position not in OUTPUT_GATE_POSITIONS:
+            raise _choice_error("output_gate_position", self.output_gate_position, OUTPUT_GATE_POSITIONS)
+        if self.feature_map is not None and self.feature_map not in FEATURE_MAPS:
+            raise _choice_error("feature_map", self.feature_map, FEATURE_MAPS)
+        if self.taylor_order is not None and (
+            not isinstance(self.taylor_order, int) or isinstance(self.taylor_order, bool) or self.taylor_order < 0
+        ):
+            raise ValueError(f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed; expected None or an int >= 0")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"AttentionSpec.chunk_size={self.chunk_size!r} is not allowed; expected an int >= 1")
+        if self.score_clamp is not None and not math.isfinite(self.score_clamp):
+            raise ValueError(f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed; expected None or a finite float")
+        if self.qk_scale is not None and not (math.isfinite(self.qk_scale) and self.qk_scale > 0):
+            raise ValueError(f"AttentionSpec.qk_scale={self.qk_scale!r} is not allowed; expected None or a float > 0")
+        if self.hedgehog_dim is not None and (not isinstance(self.hedgehog_dim, int) or self.hedgehog_dim < 1):
+            raise ValueError(f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed; expected None or an int >= 1")
+        if not self.norm_eps > 0:
+            raise ValueError(f"AttentionSpec.norm_eps={self.norm_eps!r} is not allowed; expected a float > 0")
+
+        if self.kind == "softmax":
+            for name, default in (
+                ("feature_map", None),
+                ("taylor_order", None),
+                ("score_clamp", None),
+                ("input_gate", False),
+                ("output_gate", False),
+            ):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"AttentionSpec.{name}={getattr(self, name)!r} is not allowed with kind='softmax' "
+                        f"(exact softmax has no {name}); expected {default!r}, or use kind='recurrent_softmax'"
+                    )
+            if self.normalizer != "softmax":
+                raise ValueError(
+                    f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with kind='softmax'; expected "
+                    "'softmax', or use kind='recurrent_softmax' to replace the denominator"
+                )
+        elif self.kind == "recurrent_softmax":
+            if self.feature_map is not None:
+                raise ValueError(
+                    f"AttentionSpec.feature_map={self.feature_map!r} is not allowed with kind='recurrent_softmax' "
+                    "(its kernel is exp or its Taylor truncation); expected None, or use kind='linear'"
+                )
+        else:
+            if self.feature_map is None:
+                raise ValueError(f"AttentionSpec.feature_map=None is not allowed with kind='linear'; expected one of {list(FEATURE_MAPS)}")
+            if self.feature_map == "taylor" and self.taylor_order is None:
+                raise ValueError("AttentionSpec.taylor_order=None is not allowed with feature_map='taylor'; expected an int >= 0")
+            if self.feature_map != "taylor" and self.taylor_order is not None:
+                raise ValueError(
+                    f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed with feature_map={self.feature_map!r}; "
+                    "expected None (only feature_map='taylor' has an order)"
+                )
+        if self.hedgehog_dim is not None and self.feature_map != "hedgehog":
+            raise ValueError(
+                f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed with feature_map={self.feature_map!r}; expected None"
+            )
+        if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
+            warnings.warn(
+                f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
+                f"some scores, so normalizer={self.normalizer!r} can divide by ~0. Use an even order or normalizer='l2'.",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def uses_taylor(self) -> bool:
+        """The kernel is the order-N truncation of exp (recurrent_softmax or linear taylor)."""
+        return self.taylor_order is not None
+
+    @property
+    def is_exact_exp(self) -> bool:
+        """The kernel is the exact exponential: no finite recurrent state exists."""
+        return self.kind in ("softmax", "recurrent_softmax") and self.taylor_order is None
+
+    @property
+    def has_finite_state(self) -> bool:
+        """Chunked and recurrent modes exist: a finite feature map and no score clamp."""
+        return not self.is_exact_exp and self.score_clamp is None
+
+    @property
+    def effective_feature_map(self) -> str | None:
+        """Feature map of the finite-state form ("taylor" for a truncated recurrent softmax)."""
+        if self.kind == "recurrent_softmax" and self.taylor_order is not None:
+            return "taylor"
+        return self.feature_map
+
+    @property
+    def is_row_scale_invariant(self) -> bool:
+        return self.normalizer in ROW_SCALE_INVARIANT_NORMALIZERS
+
+    def scale(self, head_dim: int) -> float:
+        """The multiplier of q.k (or phi(q).phi(k)) for this head size."""
+        return head_dim**-0.5 if self.qk_scale is None else self.qk_scale
+
+    def feature_dim(self, head_dim: int) -> int:
+        """Width of phi(k), i.e. rows of the recurrent state S (finite-state specs only)."""
+        fmap = self.effective_feature_map
+        if fmap == "taylor":
+            return taylor_feature_dim(head_dim, self.taylor_order)
+        if fmap == "hedgehog":
+            return 2 * (self.hedgehog_dim or head_dim)
+        return head_dim
+
+    def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
+        """Bytes of the recurrent state (S and z) of one KV head."""
+        value_dim = head_dim if value_dim is None else value_dim
+        return self.feature_dim(head_dim) * (value_dim + 1) * bytes_per_element
+
+    def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
+        """Raise a clear error if `mode` cannot compute this spec for this head size."""
+        if mode not in MODES:
+            raise _choice_error("mode", mode, MODES)
+        if mode == "parallel":
+            return
+        if self.is_exact_exp:
+            raise ValueError(
+                f"mode={mode!r} needs a finite state, but {self.describe()} uses the exact exponential, which has "
+                "none; use mode='parallel' (and a KV cache for decoding) or set taylor_order"
+            )
+        if self.score_clamp is not None:
+            raise ValueError(
+                f"mode={mode!r} needs a finite state, but score_clamp={self.score_clamp} does not factorise into "
+                "features; use mode='parallel' or score_clamp=None"
+            )
+        size = self.state_bytes(head_dim)
+        if size > max_state_bytes:
+            raise ValueError(
+                f"mode={mode!r}: the order-{self.taylor_order} Taylor state for head_dim={head_dim} needs "
+                f"{size:,} bytes per KV head ({self.feature_dim(head_dim):,} features), above the limit of "
+                f"{max_state_bytes:,} bytes; use mode='parallel' or a lower taylor_order"
+            )
+
+    def fits_recurrent_state(self, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> bool:
+        """Whether decoding can use the constant-size recurrent state (else a KV cache)."""
+        return self.has_finite_state and self.state_bytes(head_dim) <= max_state_bytes
+
+    def describe(self) -> str:
+        """One line in words, e.g. for model cards and tables."""
+        if self.kind == "softmax":
+            return "exact softmax attention"
+        if self.kind == "recurrent_softmax":
+            kernel = "exp(q.k)" if self.taylor_order is None else f"order-{self.taylor_order} Taylor expansion of exp(q.k)"
+        else:
+            kernel = f"linear attention with the {self.feature_map} feature map" + (
+                f" (order {self.taylor_order})" if self.taylor_order is not None else ""
+            )
+        parts = [kernel, f"{self.normalizer} normaliser"]
+        if self.score_clamp is not None:
+            parts.append(f"scores clamped at {self.score_clamp:g}")
+        if self.input_gate:
+            parts.append("input gate")
+        if self.output_gate:
+            parts.append(f"output gate ({self.output_gate_position.replace('_', ' ')})")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"AttentionSpec got unknown fields {unknown}; allowed fields are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "AttentionSpec":
+        """The paper's variant `name` (see `PRESETS`), optionally with fields overridden."""
+        if name not in _PRESET_FIELDS:
+            raise ValueError(f"Unknown attention preset {name!r}; expected one of {sorted(_PRESET_FIELDS)}")
+        return cls(**{**_PRESET_FIELDS[name][1], **overrides})
+
+    @classmethod
+    def coerce(cls, value: "AttentionSpec | dict | str") -> "AttentionSpec":
+        """Accept a spec, a dict of fields, or a preset name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            return cls.from_preset(value)
+        raise TypeError(f"Expected an AttentionSpec, a dict or a preset name, got {type(value).__name__}")
+
+
+_C = 5.0
+_RS = "recurrent_softmax"
+
+# name -> (description, fields). The authors' names (SPEC section 4).
+_PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "softmax": ("exact softmax attention", dict(kind="softmax")),
+    "softmax_taylor_80terms": (
+        "order-79 Taylor truncation of exp with the softmax denominator",
+        dict(kind=_RS, taylor_order=79, normalizer="softmax"),
+    ),
+    "softmax_taylor_2": (
+        "order-2 Taylor truncation of exp with the softmax denominator (finite RNN)",
+        dict(kind=_RS, taylor_order=2, normalizer="softmax"),
+    ),
+    "softmax_taylor_2_l2": (
+        "order-2 Taylor truncation of exp with the l2 normaliser (finite RNN)",
+        dict(kind=_RS, taylor_order=2, normalizer="l2"),
+    ),
+    "softmax_clamp_denom": ("exp clamped at 5, denominator clamped at 1", dict(kind=_RS, score_clamp=_C, normalizer="clamp")),
+    "softmax_detach_denom": (
+        "exp clamped at 5, denominator clamped at 1 and detached",
+        dict(kind=_RS, score_clamp=_C, normalizer="detach"),
+    ),
+    "softmax_detach_denom_gate": (
+        "exp clamped at 5, detached denominator + 1e-4, output gate",
+        dict(kind=_RS, score_clamp=_C, normalizer="detach_eps", output_gate=True),
+    ),
+    "softmax_divs": ("exp clamped at 5, divided by sequence position", dict(kind=_RS, score_clamp=_C, normalizer="seqlen")),
+    "softmax_gate": ("exp clamped at 5, no normaliser, output gate", dict(kind=_RS, score_clamp=_C, normalizer="none", output_gate=True)),
+    "softmax_divS_gate": (
+        "exp clamped at 5, divided by sequence position, output gate",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen", output_gate=True),
+    ),
+    "softmax_divS_gatev2": (
+        "exp clamped at 5, divided by sequence position, output gate (v2)",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen", output_gate=True),
+    ),
+    "softmax_divS_norm": (
+        "exp clamped at 5, divided by sequence position, then RMSNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_rms"),
+    ),
+    "gated_softmax": (
+        "exp clamped at 5, input and output gates, divided by position then LayerNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_layer", input_gate=True, output_gate=True),
+    ),
+    "gated_softmax_no_norm": (
+        "exp clamped at 5, input and output gates, divided by position",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen", input_gate=True, output_gate=True),
+    ),
+    "gated_softmax_no_in_gate": (
+        "exp clamped at 5, output gate, divided by position then LayerNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_layer", output_gate=True),
+    ),
+    "gated_softmax_no_out_gate": (
+        "exp clamped at 5, input gate, divided by position then LayerNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_layer", input_gate=True),
+    ),
+    "gated_softmax_no_out_gate_no_norm": (
+        "exp clamped at 5, input gate, divided by position",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen", input_gate=True),
+    ),
+    "gated_softmax_no_in_gate_no_norm": (
+        "exp clamped at 5, output gate, divided by position",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen", output_gate=True),
+    ),
+    "gated_softmax_no_gate": (
+        "exp clamped at 5, divided by position then LayerNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_layer"),
+    ),
+    "gated_softmax_no_gate_rmsnorm": (
+        "exp clamped at 5, divided by position then RMSNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen_rms"),
+    ),
+    "gated_softmax_no_gate_rmsnorm_nodivS": ("exp clamped at 5, RMSNorm", dict(kind=_RS, score_clamp=_C, normalizer="rms")),
+    "gated_softmax_no_gate_L2norm_nodivS": ("exp clamped at 5, L2 norm", dict(kind=_RS, score_clamp=_C, normalizer="l2")),
+    "gated_softmax_no_gate_L2norm_nodivS_noclamp": (
+        "Norm(exp(QK^T)V): exp with the L2 norm in place of the denominator (the paper's headline)",
+        dict(kind=_RS, normalizer="l2"),
+    ),
+    "gated_softmax_out_gate_L2norm_nodivS_noclamp": (
+        "exp, output gate, then L2 norm (gate before the norm)",
+        dict(kind=_RS, normalizer="l2", output_gate=True, output_gate_position="before_norm"),
+    ),
+    "gated_softmax_post_out_gate_L2norm_nodivS_noclamp": (
+        "exp, L2 norm, then output gate",
+        dict(kind=_RS, normalizer="l2", output_gate=True, output_gate_position="after_norm"),
+    ),
+    "gated_softmax_no_gate_no_norm": ("exp clamped at 5, divided by position", dict(kind=_RS, score_clamp=_C, normalizer="seqlen")),
+    "gated_relu_no_in_gate_no_norm": (
+        "relu(q).relu(k)/sqrt(d) clamped at 5, divided by position, output gate",
+        dict(kind="linear", feature_map="relu", score_clamp=_C, normalizer="seqlen", output_gate=True),
+    ),
+    "gated_ReLU_no_gate_L2norm_nodivS_noclamp": (
+        "relu(q).relu(k)/sqrt(d) with the L2 norm",
+        dict(kind="linear", feature_map="relu", normalizer="l2"),
+    ),
+    "linear_elu": (
+        "linear attention, elu+1 feature map, softmax-style denominator",
+        dict(kind="linear", feature_map="elu", qk_scale=1.0),
+    ),
+    "linear_relu": (
+        "linear attention, relu feature map, softmax-style denominator",
+        dict(kind="linear", feature_map="relu", qk_scale=1.0),
+    ),
+    "linear_cosine": (
+        "linear attention on L2-normalised q, k, divided by t^sigmoid(p_h)",
+        dict(kind="linear", feature_map="cosine", normalizer="seqlen_pow", qk_scale=1.0),
+    ),
+    "linear_hedgehog": (
+        "linear attention with the learned hedgehog feature map (softmax over [Wx, -Wx])",
+        dict(kind="linear", feature_map="hedgehog"),
+    ),
+}
+
+#: Preset name -> one-line description.
+PRESETS: dict[str, str] = {name: desc for name, (desc, _) in _PRESET_FIELDS.items()}

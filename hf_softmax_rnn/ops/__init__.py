@@ -1,0 +1,14 @@
+"""Pure attention functions: one entry point, three modes (see `attention`)."""
+
+from hf_softmax_rnn.ops.attention import RecurrentState, attention
+from hf_softmax_rnn.ops.feature_maps import taylor_exp, taylor_features
+from hf_softmax_rnn.ops.softmax import softmax_attention, softmax_attention_reference
+
+__all__ = [
+    "RecurrentState",
+    "attention",
+    "softmax_attention",
+    "softmax_attention_reference",
+    "taylor_exp",
+    "taylor_features",
+]

@@ -1,0 +1,115 @@
+"""Feature maps phi and kernels k(q, k) = phi(q).phi(k) of the finite-state attention variants.
+
+Shapes: queries arrive grouped as `[B, Hkv, G, L, D]` (G query heads per KV head) and
+keys as `[B, Hkv, L, D]`; learned per-head weights broadcast against those layouts
+(`hedgehog_q` as `[Hkv, G, D, F]`, `hedgehog_k` as `[Hkv, D, F]`).
+
+The Taylor feature map phi_N(x) = [x^alpha / sqrt(alpha!)]_{|alpha| <= N} lives in the
+symmetric monomial basis: phi_N(q).phi_N(k) = sum_{n<=N} (q.k)^n / n! with
+C(d+n-1, n) features per order instead of d^n.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+
+
+@functools.lru_cache(maxsize=32)
+def _monomials(head_dim: int, order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tuples alpha (as `[M, order]` positions) and weights 1/sqrt(alpha!) of one order."""
+    combos = list(itertools.combinations_with_replacement(range(head_dim), order))
+    index = torch.tensor(combos, dtype=torch.long).reshape(len(combos), order)
+    weight = torch.tensor(
+        [1.0 / math.sqrt(math.prod(math.factorial(c) for c in _multiplicities(combo))) for combo in combos],
+        dtype=torch.float64,
+    )
+    return index, weight
+
+
+def _multiplicities(combo: tuple[int, ...]) -> list[int]:
+    return [len(list(group)) for _, group in itertools.groupby(combo)]
+
+
+def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
+    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated."""
+    head_dim = x.shape[-1]
+    parts = [x.new_ones(*x.shape[:-1], 1)]
+    if order >= 1:
+        parts.append(x)
+    for n in range(2, order + 1):
+        index, weight = _monomials(head_dim, n)
+        index = index.to(x.device)
+        parts.append(x[..., index].prod(dim=-1) * weight.to(device=x.device, dtype=x.dtype))
+    return torch.cat(parts, dim=-1)
+
+
+def taylor_exp(x: torch.Tensor, order: int) -> torch.Tensor:
+    """sum_{n<=N} x^n / n! by Horner's rule (elementwise)."""
+    result = torch.full_like(x, 1.0 / math.factorial(order))
+    for n in range(order - 1, -1, -1):
+        result = result * x + 1.0 / math.factorial(n)
+    return result
+
+
+def feature_map(
+    x: torch.Tensor,
+    spec: AttentionSpec,
+    scale: float,
+    weight: torch.Tensor | None = None,
+    is_query: bool = False,
+) -> torch.Tensor:
+    """phi(x) for a finite-state spec; the kernel's scale is folded into the query side
+    (into both sides, as scale^(1/2), for Taylor features so they stay a power series)."""
+    name = spec.effective_feature_map
+    if name == "taylor":
+        return taylor_features(x * math.sqrt(scale), spec.taylor_order)
+    if name == "identity":
+        phi = x
+    elif name == "elu":
+        phi = F.elu(x) + 1.0
+    elif name == "relu":
+        phi = F.relu(x)
+    elif name == "cosine":
+        phi = F.normalize(x, dim=-1, eps=spec.norm_eps)
+    elif name == "hedgehog":
+        if weight is None:
+            raise ValueError("feature_map='hedgehog' needs its learned weights (params['hedgehog_q'/'hedgehog_k'])")
+        projected = x @ weight.to(x.dtype)
+        phi = torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
+    else:
+        raise ValueError(f"{spec.describe()} has no finite feature map; expected one of identity, elu, relu, cosine, taylor, hedgehog")
+    return phi * scale if is_query else phi
+
+
+def query_features(q: torch.Tensor, spec: AttentionSpec, scale: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """phi(q) for grouped queries `[B, Hkv, G, L, D] -> [B, Hkv, G, L, F]`."""
+    weight = params.get("hedgehog_q")
+    if weight is not None:
+        weight = weight.view(q.shape[1], q.shape[2], *weight.shape[1:])
+    return feature_map(q, spec, scale, weight, is_query=True)
+
+
+def key_features(k: torch.Tensor, spec: AttentionSpec, scale: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """phi(k) for keys `[B, Hkv, L, D] -> [B, Hkv, L, F]`."""
+    return feature_map(k, spec, scale, params.get("hedgehog_k"))
+
+
+def kernel_scores(
+    q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: float, params: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Unnormalised, unmasked, unclamped scores of a finite kernel: grouped q `[B, Hkv, G, Lq, D]`,
+    k `[B, Hkv, Lk, D]` -> `[B, Hkv, G, Lq, Lk]`. Taylor kernels use the polynomial of q.k
+    directly (D work per pair instead of the feature width)."""
+    if spec.effective_feature_map == "taylor":
+        return taylor_exp(scale * (q @ k.unsqueeze(2).transpose(-1, -2)), spec.taylor_order)
+    phi_q = query_features(q, spec, scale, params)
+    phi_k = key_features(k, spec, scale, params)
+    return phi_q @ phi_k.unsqueeze(2).transpose(-1, -2)

@@ -1,0 +1,86 @@
+"""Normalisers: how the numerator N_t = sum_s a_ts v_s becomes the output (SPEC section 2).
+
+All functions work per query head over the value dimension:
+numerator `[B, H, L, Dv]`, denominator G_t `[B, H, L]`, visible count t `[B, 1, L]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+
+#: Added to the detached denominator by the "detach_eps" normaliser (the authors' value).
+DETACH_EPS = 1e-4
+
+
+def _safe(denominator: torch.Tensor) -> torch.Tensor:
+    """Rows that see no position (left padding) have G = 0 and N = 0: divide by 1 there."""
+    return torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+
+
+def _l2(n: torch.Tensor, eps: float) -> torch.Tensor:
+    return n * torch.rsqrt(n.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _rms(n: torch.Tensor, eps: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    out = n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + eps)
+    weight = params.get("norm_weight")
+    return out if weight is None else out * weight[:, None, :].to(out.dtype)
+
+
+def _layer(n: torch.Tensor, eps: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    centred = n - n.mean(-1, keepdim=True)
+    out = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    weight, bias = params.get("norm_weight"), params.get("norm_bias")
+    if weight is not None:
+        out = out * weight[:, None, :].to(out.dtype)
+    if bias is not None:
+        out = out + bias[:, None, :].to(out.dtype)
+    return out
+
+
+def _per_position(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp_min(1).unsqueeze(-1)
+
+
+NormalizerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Mapping[str, torch.Tensor]], torch.Tensor]
+
+_NORMALIZERS: dict[str, NormalizerFn] = {
+    "softmax": lambda n, g, t, eps, p: n / _safe(g).unsqueeze(-1),
+    "l2": lambda n, g, t, eps, p: _l2(n, eps),
+    "rms": lambda n, g, t, eps, p: _rms(n, eps, p),
+    "layer": lambda n, g, t, eps, p: _layer(n, eps, p),
+    "seqlen": lambda n, g, t, eps, p: n / _per_position(t),
+    "seqlen_rms": lambda n, g, t, eps, p: _rms(n / _per_position(t), eps, p),
+    "seqlen_layer": lambda n, g, t, eps, p: _layer(n / _per_position(t), eps, p),
+    "seqlen_pow": lambda n, g, t, eps, p: n
+    / _per_position(t).pow(torch.sigmoid(p["seqlen_power"]).to(n.dtype)[:, None, None]),
+    "clamp": lambda n, g, t, eps, p: n / g.clamp_min(1.0).unsqueeze(-1),
+    "detach": lambda n, g, t, eps, p: n / g.detach().clamp_min(1.0).unsqueeze(-1),
+    "detach_eps": lambda n, g, t, eps, p: n / (g.detach() + DETACH_EPS).unsqueeze(-1),
+    "none": lambda n, g, t, eps, p: n,
+}
+
+
+def normalize(
+    numerator: torch.Tensor,
+    denominator: torch.Tensor,
+    visible: torch.Tensor,
+    spec: AttentionSpec,
+    params: Mapping[str, torch.Tensor],
+    output_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply the spec's normaliser, and its output gate `[B, H, L]` before or after it.
+
+    numerator `[B, H, L, Dv]`, denominator `[B, H, L]`, visible `[B, 1, L]` -> `[B, H, L, Dv]`.
+    """
+    if output_gate is not None and spec.output_gate_position == "before_norm":
+        gate = output_gate.unsqueeze(-1).to(numerator.dtype)
+        numerator, denominator = numerator * gate, denominator * output_gate.to(denominator.dtype)
+    out = _NORMALIZERS[spec.normalizer](numerator, denominator, visible.to(numerator.dtype), spec.norm_eps, params)
+    if output_gate is not None and spec.output_gate_position == "after_norm":
+        out = out * output_gate.unsqueeze(-1).to(out.dtype)
+    return out
