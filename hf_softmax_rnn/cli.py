@@ -1,0 +1,46 @@
+"""`hf-softmax-rnn` console script: one subcommand per job, each in its own module.
+
+A subcommand module defines `add_arguments(parser)` and `run(args) -> int | None`; it is
+imported only when its subcommand runs, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("hf_softmax_rnn.commands.demo", "convert the default model to the paper's variants and compare them"),
+    "finetune": ("hf_softmax_rnn.training.finetune", "attention transfer and LoRA/full fine-tuning of a converted model"),
+    "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),
+    "taylor-terms": ("hf_softmax_rnn.analysis.taylor_terms", "mean |x^n/n!| of the attention scores per layer and order"),
+    "ablate": ("hf_softmax_rnn.analysis.ablate", "train small models from scratch, one per variant group of the paper"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-softmax-rnn", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(module_name=module_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    module = importlib.import_module(known.module_name)
+    sub = argparse.ArgumentParser(prog=f"hf-softmax-rnn {known.command}", description=SUBCOMMANDS[known.command][1])
+    module.add_arguments(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    args = sub.parse_args(argv[argv.index(known.command) + 1 :])
+    logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `hf-softmax-rnn` console script that are not part of a subpackage."""

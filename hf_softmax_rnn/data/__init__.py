@@ -1,0 +1,1 @@
+"""Data: the offline English corpus, user datasets, packing, and the MQAR task."""

@@ -1,0 +1,39 @@
+import pytest
+from transformers import AutoTokenizer  # noqa: F401  (import check only)
+
+from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
+
+
+class _CharTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[1 + (ord(c) % 50) for c in text] for text in texts]}
+
+
+def test_pydoc_corpus_splits_are_disjoint_and_nonempty():
+    corpus = load_corpus()
+    train, test = set(corpus["train"]["text"]), set(corpus["test"]["text"])
+    assert len(test) >= 5 and len(train) >= 60
+    assert not train & test
+
+
+def test_local_text_files(tmp_path):
+    (tmp_path / "a.txt").write_text("first line\nsecond line\n" * 10)
+    corpus = load_corpus(str(tmp_path / "a.txt"), test_fraction=0.25)
+    assert len(corpus["train"]) + len(corpus["test"]) == 20
+
+
+def test_missing_dataset_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_corpus(str(tmp_path / "missing.txt"))
+
+
+def test_pack_texts_blocks_are_exact_and_ordered():
+    from datasets import Dataset
+
+    texts = Dataset.from_dict({"text": ["abcdefg", "hij"]})
+    packed = pack_texts(texts, _CharTokenizer(), block_size=4)
+    expected = [1 + (ord(c) % 50) for c in "abcdefg"] + [0] + [1 + (ord(c) % 50) for c in "hij"] + [0]
+    assert packed["input_ids"] == [expected[0:4], expected[4:8], expected[8:12]]
+    assert packed["labels"] == packed["input_ids"]
