@@ -1,0 +1,77 @@
+"""Random inputs and learned parameters for the ops tests (float64 unless asked)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hf_softmax_rnn import PRESETS, AttentionSpec
+
+
+def quiet_preset(name: str, **overrides) -> AttentionSpec:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AttentionSpec.from_preset(name, **overrides)
+
+
+FINITE_STATE_PRESETS = [name for name in PRESETS if quiet_preset(name).fits_recurrent_state(8)]
+
+#: Finite-state specs beyond the presets: every feature map and normaliser appears at least once.
+EXTRA_FINITE_SPECS = {
+    "linear_identity_softmax": AttentionSpec(kind="linear", feature_map="identity", normalizer="softmax"),
+    "linear_taylor3_l2": AttentionSpec(kind="linear", feature_map="taylor", taylor_order=3, normalizer="l2"),
+    "taylor4_rms": AttentionSpec(kind="recurrent_softmax", taylor_order=4, normalizer="rms"),
+    "taylor2_layer_gates": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="layer", input_gate=True, output_gate=True
+    ),
+    "taylor2_seqlen_rms": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="seqlen_rms"),
+    "elu_seqlen_layer": AttentionSpec(kind="linear", feature_map="elu", normalizer="seqlen_layer", qk_scale=1.0),
+    "relu_seqlen_gate": AttentionSpec(kind="linear", feature_map="relu", normalizer="seqlen", output_gate=True),
+    "hedgehog_detach": AttentionSpec(kind="linear", feature_map="hedgehog", normalizer="detach", hedgehog_dim=5),
+    "elu_clamp_gate_before": AttentionSpec(
+        kind="linear", feature_map="elu", normalizer="clamp", output_gate=True, output_gate_position="before_norm"
+    ),
+    "taylor2_none": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="none"),
+    "taylor2_detach_eps": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="detach_eps"),
+}
+
+FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
+
+
+def make_inputs(batch=2, heads=4, kv_heads=2, length=11, head_dim=8, dtype=torch.float64, requires_grad=False, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
+
+    q, k, v = randn(batch, heads, length, head_dim), randn(batch, kv_heads, length, head_dim), randn(batch, kv_heads, length, head_dim)
+    gate_logits = {"input": randn(batch, kv_heads, length), "output": randn(batch, heads, length)}
+    return q, k, v, gate_logits
+
+
+def make_params(spec: AttentionSpec, heads=4, kv_heads=2, head_dim=8, dtype=torch.float64, requires_grad=False, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    width = spec.hedgehog_dim or head_dim
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (shift + scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
+
+    return {
+        "norm_weight": randn(heads, head_dim, scale=0.3, shift=1.0),
+        "norm_bias": randn(heads, head_dim, scale=0.3),
+        "seqlen_power": randn(heads),
+        "hedgehog_q": randn(heads, head_dim, width, scale=0.5),
+        "hedgehog_k": randn(kv_heads, head_dim, width, scale=0.5),
+    }
+
+
+def left_padding_mask(batch: int, length: int, pads: list[int]) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return mask
+
+
+def gates_from_logits(gate_logits):
+    return {name: torch.sigmoid(logits) for name, logits in gate_logits.items()}

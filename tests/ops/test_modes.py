@@ -1,0 +1,136 @@
+"""parallel == chunked == recurrent, outputs, states and gradients, for every finite-state variant."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_softmax_rnn.ops import attention
+
+from .helpers import FINITE_SPECS, gates_from_logits, left_padding_mask, make_inputs, make_params
+
+SPEC_IDS = sorted(FINITE_SPECS)
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def _run(spec, mode, q, k, v, gate_logits, params, mask, state=None):
+    return attention(
+        q, k, v, spec, mode=mode, attention_mask=mask, gates=gates_from_logits(gate_logits), params=params, state=state
+    )
+
+
+@pytest.mark.parametrize("name", SPEC_IDS)
+@pytest.mark.parametrize("chunk_size", [1, 4, 64], ids=lambda c: f"chunk{c}")
+def test_outputs_agree(name, chunk_size):
+    spec = FINITE_SPECS[name].__class__(**{**FINITE_SPECS[name].to_dict(), "chunk_size": chunk_size})
+    q, k, v, gate_logits = make_inputs(length=11)
+    params = make_params(spec)
+    mask = left_padding_mask(2, 11, [0, 3])
+    parallel, no_state = _run(spec, "parallel", q, k, v, gate_logits, params, mask)
+    chunked, chunked_state = _run(spec, "chunked", q, k, v, gate_logits, params, mask)
+    recurrent, recurrent_state = _run(spec, "recurrent", q, k, v, gate_logits, params, mask)
+    assert no_state is None
+    torch.testing.assert_close(chunked, parallel, **TOL)
+    torch.testing.assert_close(recurrent, parallel, **TOL)
+    for field in ("S", "z", "t"):
+        torch.testing.assert_close(getattr(chunked_state, field), getattr(recurrent_state, field), **TOL)
+    assert chunked_state.t.tolist() == [11, 8]
+
+
+@pytest.mark.parametrize("name", SPEC_IDS)
+def test_gradients_agree(name):
+    spec = FINITE_SPECS[name].__class__(**{**FINITE_SPECS[name].to_dict(), "chunk_size": 4})
+    q, k, v, gate_logits = make_inputs(length=10, requires_grad=True)
+    params = make_params(spec, requires_grad=True)
+    mask = left_padding_mask(2, 10, [2, 0])
+    leaves = [q, k, v, *gate_logits.values(), *params.values()]
+    weights = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
+
+    def grads(mode, with_state):
+        out, state = _run(spec, mode, q, k, v, gate_logits, params, mask)
+        loss = (out * weights).sum()
+        if with_state:
+            loss = loss + 0.1 * state.S.sum() + 0.2 * state.z.sum()
+        found = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)]
+
+    reference = grads("parallel", with_state=False)
+    for mode in ("chunked", "recurrent"):
+        for got, want in zip(grads(mode, with_state=False), reference):
+            torch.testing.assert_close(got, want, **TOL)
+    for got, want in zip(grads("chunked", with_state=True), grads("recurrent", with_state=True)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("name", SPEC_IDS)
+@pytest.mark.parametrize("second_mode", ["chunked", "recurrent"])
+def test_state_handed_across_calls(name, second_mode):
+    """Prefill in two pieces (then decode token by token) == prefill in one."""
+    spec = FINITE_SPECS[name].__class__(**{**FINITE_SPECS[name].to_dict(), "chunk_size": 3})
+    q, k, v, gate_logits = make_inputs(length=13)
+    params = make_params(spec)
+    mask = left_padding_mask(2, 13, [0, 5])
+    whole, whole_state = _run(spec, "chunked", q, k, v, gate_logits, params, mask)
+    state, pieces = None, []
+    for piece in (slice(0, 7), slice(7, 12), slice(12, 13)):
+        gates_piece = {name: g[..., piece] for name, g in gate_logits.items()}
+        out, state = attention(
+            q[..., piece, :], k[..., piece, :], v[..., piece, :], spec,
+            mode=second_mode, attention_mask=mask[:, : piece.stop], gates=gates_from_logits(gates_piece),
+            params=params, state=state,
+        )
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, **TOL)
+    torch.testing.assert_close(state.S, whole_state.S, **TOL)
+    assert state.t.tolist() == whole_state.t.tolist() == [13, 8]
+
+
+def test_left_padding_equals_unpadded_row():
+    spec = FINITE_SPECS["linear_elu"]
+    q, k, v, gate_logits = make_inputs(batch=1, length=9)
+    params = make_params(spec)
+    pad = 4
+    padded = [torch.cat([torch.randn(*x.shape[:-2], pad, x.shape[-1], dtype=x.dtype), x], dim=-2) for x in (q, k, v)]
+    mask = left_padding_mask(1, 9 + pad, [pad])
+    for mode in ("parallel", "chunked", "recurrent"):
+        out_padded, _ = attention(*padded, spec, mode=mode, attention_mask=mask, params=params)
+        out_plain, _ = attention(q, k, v, spec, mode=mode, params=params)
+        torch.testing.assert_close(out_padded[..., pad:, :], out_plain, **TOL)
+
+
+def test_parallel_with_past_keys_matches_full_rows():
+    """Decoding from a KV cache: the last Lq queries against all keys == the same rows of the full run."""
+    spec = FINITE_SPECS["softmax_taylor_2_l2"]
+    q, k, v, gate_logits = make_inputs(length=12)
+    mask = left_padding_mask(2, 12, [0, 4])
+    full, _ = attention(q, k, v, spec, attention_mask=mask)
+    tail, _ = attention(q[..., 9:, :], k, v, spec, attention_mask=mask)
+    torch.testing.assert_close(tail, full[..., 9:, :], **TOL)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(SPEC_IDS),
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    length=st.integers(1, 17),
+    head_dim=st.sampled_from([2, 4, 6]),
+    chunk_size=st.integers(1, 8),
+    scale=st.floats(0.1, 2.0),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_property_modes_agree(name, batch, kv_heads, groups, length, head_dim, chunk_size, scale, seed, data):
+    spec = FINITE_SPECS[name].__class__(**{**FINITE_SPECS[name].to_dict(), "chunk_size": chunk_size})
+    q, k, v, gate_logits = make_inputs(batch, kv_heads * groups, kv_heads, length, head_dim, seed=seed)
+    q, k = q * scale, k * scale
+    params = make_params(spec, kv_heads * groups, kv_heads, head_dim, seed=seed + 1)
+    pads = [data.draw(st.integers(0, length - 1)) for _ in range(batch)]
+    mask = left_padding_mask(batch, length, pads)
+    parallel, _ = _run(spec, "parallel", q, k, v, gate_logits, params, mask)
+    chunked, _ = _run(spec, "chunked", q, k, v, gate_logits, params, mask)
+    recurrent, _ = _run(spec, "recurrent", q, k, v, gate_logits, params, mask)
+    assert torch.isfinite(parallel).all()
+    torch.testing.assert_close(chunked, parallel, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(recurrent, parallel, rtol=1e-7, atol=1e-8)

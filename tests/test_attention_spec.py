@@ -1,0 +1,66 @@
+"""AttentionSpec: presets, dict round trip and validation messages."""
+
+import warnings
+
+import pytest
+
+from hf_softmax_rnn import PRESETS, AttentionSpec
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_describes_and_round_trips(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = AttentionSpec.from_preset(name)
+        assert AttentionSpec.from_dict(spec.to_dict()) == spec
+    assert PRESETS[name] and spec.describe()
+
+
+def test_headline_preset_is_exp_with_l2_norm():
+    spec = AttentionSpec.from_preset("gated_softmax_no_gate_L2norm_nodivS_noclamp")
+    assert (spec.kind, spec.taylor_order, spec.normalizer, spec.score_clamp) == ("recurrent_softmax", None, "l2", None)
+    assert spec.is_exact_exp and not spec.has_finite_state
+
+
+def test_preset_overrides_and_coerce():
+    spec = AttentionSpec.from_preset("linear_elu", chunk_size=16)
+    assert spec.chunk_size == 16 and spec.feature_map == "elu"
+    assert AttentionSpec.coerce("linear_elu") == AttentionSpec.from_preset("linear_elu")
+    assert AttentionSpec.coerce(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(kind="quadratic"), r"kind='quadratic' is not allowed; expected one of \['softmax'"),
+        (dict(kind="softmax", feature_map="elu"), r"feature_map='elu' is not allowed with kind='softmax'"),
+        (dict(kind="softmax", normalizer="l2"), r"normalizer='l2' is not allowed with kind='softmax'"),
+        (dict(kind="linear"), r"feature_map=None is not allowed with kind='linear'"),
+        (dict(kind="linear", feature_map="taylor"), r"taylor_order=None is not allowed with feature_map='taylor'"),
+        (dict(kind="linear", feature_map="elu", taylor_order=2), r"taylor_order=2 is not allowed with feature_map='elu'"),
+        (dict(kind="recurrent_softmax", feature_map="relu"), r"feature_map='relu' is not allowed with kind='recurrent_softmax'"),
+        (dict(kind="recurrent_softmax", normalizer="l3"), r"normalizer='l3' is not allowed; expected one of"),
+        (dict(kind="recurrent_softmax", taylor_order=-1), r"taylor_order=-1 is not allowed"),
+        (dict(chunk_size=0), r"chunk_size=0 is not allowed"),
+        (dict(kind="linear", feature_map="elu", output_gate_position="middle"), r"output_gate_position='middle'"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and len(x) < 20 else None,
+)
+def test_invalid_fields_name_value_and_choices(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionSpec(**fields)
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ValueError, match=r"Unknown attention preset 'softmax_v9'; expected one of"):
+        AttentionSpec.from_preset("softmax_v9")
+    with pytest.raises(ValueError, match=r"unknown fields \['heads'\]"):
+        AttentionSpec.from_dict({"kind": "softmax", "heads": 3})
+
+
+def test_odd_taylor_order_with_denominator_warns():
+    with pytest.warns(UserWarning, match="taylor_order=3 is odd"):
+        AttentionSpec(kind="recurrent_softmax", taylor_order=3, normalizer="softmax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AttentionSpec(kind="recurrent_softmax", taylor_order=3, normalizer="l2")
