@@ -23,31 +23,37 @@ from hf_softmax_rnn.attention_spec import AttentionSpec
 
 
 @functools.lru_cache(maxsize=32)
-def _monomials(head_dim: int, order: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tuples alpha (as `[M, order]` positions) and weights 1/sqrt(alpha!) of one order."""
-    combos = list(itertools.combinations_with_replacement(range(head_dim), order))
-    index = torch.tensor(combos, dtype=torch.long).reshape(len(combos), order)
-    weight = torch.tensor(
-        [1.0 / math.sqrt(math.prod(math.factorial(c) for c in _multiplicities(combo))) for combo in combos],
-        dtype=torch.float64,
-    )
-    return index, weight
+def _monomial_recursion(head_dim: int, order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How to build the order-n monomials from the order-(n-1) ones, n >= 2.
 
-
-def _multiplicities(combo: tuple[int, ...]) -> list[int]:
-    return [len(list(group)) for _, group in itertools.groupby(combo)]
+    Monomials x^alpha are indexed by sorted index tuples. Order n is the flattened outer
+    product (order n-1) x (x_j) restricted to j >= the tuple's last index: returns that
+    selection `[C(d+n-1, n)]` into the `C(d+n-2, n-1) * d` products, and the weights
+    1/sqrt(alpha!) of the order-n monomials.
+    """
+    parents = list(itertools.combinations_with_replacement(range(head_dim), order - 1))
+    selection, weight = [], []
+    for parent_index, parent in enumerate(parents):
+        for j in range(parent[-1], head_dim):
+            combo = (*parent, j)
+            selection.append(parent_index * head_dim + j)
+            multiplicities = [len(list(group)) for _, group in itertools.groupby(combo)]
+            weight.append(1.0 / math.sqrt(math.prod(math.factorial(m) for m in multiplicities)))
+    return torch.tensor(selection, dtype=torch.long), torch.tensor(weight, dtype=torch.float64)
 
 
 def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
     """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated."""
     head_dim = x.shape[-1]
     parts = [x.new_ones(*x.shape[:-1], 1)]
+    monomials = x
     if order >= 1:
         parts.append(x)
     for n in range(2, order + 1):
-        index, weight = _monomials(head_dim, n)
-        index = index.to(x.device)
-        parts.append(x[..., index].prod(dim=-1) * weight.to(device=x.device, dtype=x.dtype))
+        selection, weight = _monomial_recursion(head_dim, n)
+        products = (monomials.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)
+        monomials = products.index_select(-1, selection.to(x.device))
+        parts.append(monomials * weight.to(device=x.device, dtype=x.dtype))
     return torch.cat(parts, dim=-1)
 
 

@@ -31,14 +31,24 @@ def _chunk_slices(length: int, chunk_size: int) -> list[slice]:
     return [slice(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
-def _intra_chunk(
-    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: AttentionSpec, scale: float, params: Mapping[str, torch.Tensor]
-) -> torch.Tensor:
-    """Causal attention inside one chunk: `[B, Hkv, G, C, Dv + 1]`."""
-    scores = kernel_scores(qc, kc, spec, scale, params)
-    size = qc.shape[-2]
-    causal = torch.ones(size, size, dtype=torch.bool, device=qc.device).tril()
+def _causal_chunk_product(scores: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    """(scores masked to s <= t) @ v for one chunk: `[B, Hkv, G, C, C] x [B, Hkv, C, Dv'] -> [B, Hkv, G, C, Dv']`."""
+    size = scores.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
     return scores.masked_fill(~causal, 0.0) @ vc.unsqueeze(2)
+
+
+def _chunk_terms(qc, kc, vc, spec, scale, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features and intra-chunk output of one chunk: (phi(q) `[B, Hkv, G, C, F]`, phi(k)
+    `[B, Hkv, C, F]`, intra `[B, Hkv, G, C, Dv']`). Taylor kernels score pairs with the
+    polynomial of q.k (D work per pair) instead of the F-wide features."""
+    phi_q = query_features(qc, spec, scale, params)
+    phi_k = key_features(kc, spec, scale, params)
+    if spec.effective_feature_map == "taylor":
+        scores = kernel_scores(qc, kc, spec, scale, params)
+    else:
+        scores = phi_q @ phi_k.unsqueeze(2).transpose(-1, -2)
+    return phi_q, phi_k, _causal_chunk_product(scores, vc)
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
@@ -48,10 +58,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         running = state
         for sl in _chunk_slices(q.shape[-2], chunk_size):
-            qc, kc, vc = q[..., sl, :], k[..., sl, :], v[..., sl, :]
-            inter = query_features(qc, spec, scale, params) @ running.unsqueeze(2)
-            out[..., sl, :] = inter + _intra_chunk(qc, kc, vc, spec, scale, params)
-            running = running + key_features(kc, spec, scale, params).transpose(-1, -2) @ vc
+            phi_q, phi_k, intra = _chunk_terms(q[..., sl, :], k[..., sl, :], v[..., sl, :], spec, scale, params)
+            out[..., sl, :] = intra + phi_q @ running.unsqueeze(2)
+            running = running + phi_k.transpose(-1, -2) @ v[..., sl, :]
         ctx.save_for_backward(q, k, v, state, hedgehog_q, hedgehog_k)
         ctx.spec, ctx.scale, ctx.chunk_size = spec, scale, chunk_size
         return out, running
@@ -95,15 +104,13 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             with torch.enable_grad():
                 qc_leaf, kc_leaf, vc_leaf = leaves(qc, kc, vc)
                 p_leaves = {name: leaves(p)[0] for name, p in raw_params.items() if p is not None}
-                intra = _intra_chunk(qc_leaf, kc_leaf, vc_leaf, spec, scale, p_leaves)
-                contribution = key_features(kc_leaf, spec, scale, p_leaves).transpose(-1, -2) @ vc_leaf
+                phi_q, phi_k, intra = _chunk_terms(qc_leaf, kc_leaf, vc_leaf, spec, scale, p_leaves)
+                contribution = phi_k.transpose(-1, -2) @ vc_leaf
                 inputs = [qc_leaf, kc_leaf, vc_leaf, *p_leaves.values()]
                 grads = torch.autograd.grad([intra, contribution], inputs, [doc, d_state], allow_unused=True)
             accumulate(grads[:3], [dq[..., sl, :], dk[..., sl, :], dv[..., sl, :]])
             accumulate(grads[3:], list(d_params.values()))
-            with torch.no_grad():
-                phi_q = query_features(qc, spec, scale, raw_params)
-                d_state = d_state + torch.einsum("bhgcf,bhgcd->bhfd", phi_q, doc)
+            d_state = d_state + torch.einsum("bhgcf,bhgcd->bhfd", phi_q.detach(), doc)
 
         d_hedgehog = [d_params.get(name) for name in _PARAM_NAMES]
         return dq, dk, dv, d_state, *d_hedgehog, None, None, None
