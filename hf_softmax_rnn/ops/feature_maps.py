@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,26 @@ def taylor_exp(x: torch.Tensor, order: int) -> torch.Tensor:
     return result
 
 
+def _hedgehog(x: torch.Tensor, spec: AttentionSpec, weight: torch.Tensor | None) -> torch.Tensor:
+    """softmax over [xW, -xW] with a learned per-head W `[..., D, F]` (LoLCATs / Hedgehog)."""
+    if weight is None:
+        raise ValueError("feature_map='hedgehog' needs its learned weights (params['hedgehog_q'/'hedgehog_k'])")
+    projected = x @ weight.to(x.dtype)
+    return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
+
+
+FeatureMapFn = Callable[[torch.Tensor, AttentionSpec, "torch.Tensor | None"], torch.Tensor]
+
+#: name -> phi(x, spec, learned weight) for the maps whose kernel is phi(q).phi(k) times the scale.
+_PLAIN_FEATURE_MAPS: dict[str, FeatureMapFn] = {
+    "identity": lambda x, spec, weight: x,
+    "elu": lambda x, spec, weight: F.elu(x) + 1.0,
+    "relu": lambda x, spec, weight: F.relu(x),
+    "cosine": lambda x, spec, weight: F.normalize(x, dim=-1, eps=spec.norm_eps),
+    "hedgehog": _hedgehog,
+}
+
+
 def feature_map(
     x: torch.Tensor,
     spec: AttentionSpec,
@@ -77,21 +97,9 @@ def feature_map(
     name = spec.effective_feature_map
     if name == "taylor":
         return taylor_features(x * math.sqrt(scale), spec.taylor_order)
-    if name == "identity":
-        phi = x
-    elif name == "elu":
-        phi = F.elu(x) + 1.0
-    elif name == "relu":
-        phi = F.relu(x)
-    elif name == "cosine":
-        phi = F.normalize(x, dim=-1, eps=spec.norm_eps)
-    elif name == "hedgehog":
-        if weight is None:
-            raise ValueError("feature_map='hedgehog' needs its learned weights (params['hedgehog_q'/'hedgehog_k'])")
-        projected = x @ weight.to(x.dtype)
-        phi = torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
-    else:
-        raise ValueError(f"{spec.describe()} has no finite feature map; expected one of identity, elu, relu, cosine, taylor, hedgehog")
+    if name not in _PLAIN_FEATURE_MAPS:
+        raise ValueError(f"{spec.describe()} has no finite feature map; expected one of {['taylor', *_PLAIN_FEATURE_MAPS]}")
+    phi = _PLAIN_FEATURE_MAPS[name](x, spec, weight)
     return phi * scale if is_query else phi
 
 
