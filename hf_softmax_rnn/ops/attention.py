@@ -20,29 +20,38 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 class RecurrentState:
     """State of one layer after t visible positions, per KV head (never per query head).
 
-    S `[B, Hkv, F, Dv]` = sum_s phi(k_s) v_s^T, z `[B, Hkv, F]` = sum_s phi(k_s),
-    t `[B]` = number of visible (non-padding) positions so far.
+    `packed` `[B, Hkv, F, Dv + 1]` holds S = sum_s phi(k_s) v_s^T in its first Dv columns
+    and z = sum_s phi(k_s) in the last, so that decoding updates one tensor in place of
+    two; `t` `[B]` counts the visible (non-padding) positions so far.
     """
 
-    S: torch.Tensor
-    z: torch.Tensor
+    packed: torch.Tensor
     t: torch.Tensor
+
+    @property
+    def S(self) -> torch.Tensor:
+        """`[B, Hkv, F, Dv]` numerator state."""
+        return self.packed[..., :-1]
+
+    @property
+    def z(self) -> torch.Tensor:
+        """`[B, Hkv, F]` denominator state."""
+        return self.packed[..., -1]
 
     @classmethod
     def zeros(cls, batch: int, kv_heads: int, feature_dim: int, value_dim: int, device=None, dtype=None) -> "RecurrentState":
         return cls(
-            S=torch.zeros(batch, kv_heads, feature_dim, value_dim, device=device, dtype=dtype),
-            z=torch.zeros(batch, kv_heads, feature_dim, device=device, dtype=dtype),
+            packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
     @property
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.S, self.z, self.t))
+        return sum(x.numel() * x.element_size() for x in (self.packed, self.t))
 
     def map(self, fn) -> "RecurrentState":
         """Apply `fn` to each tensor (index_select, repeat_interleave, ...) along the batch."""
-        return RecurrentState(fn(self.S), fn(self.z), fn(self.t))
+        return RecurrentState(fn(self.packed), fn(self.t))
 
 
 def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> None:
@@ -140,14 +149,14 @@ def attention(
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * token
         if state is None:
             state = RecurrentState.zeros(batch, kv_heads, spec.feature_dim(head_dim), value_dim, q.device, compute_dtype)
-        packed = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1).to(compute_dtype)
+        packed = state.packed.to(compute_dtype)
         if mode == "chunked":
             augmented, packed = chunked_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params, spec.chunk_size)
         else:
             augmented, packed = recurrent_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params)
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
-        new_state = RecurrentState(S=packed[..., :value_dim], z=packed[..., value_dim], t=visible[:, 0, -1])
+        new_state = RecurrentState(packed=packed, t=visible[:, 0, -1])
 
     out = normalize(
         numerator.reshape(batch, heads, length, value_dim),
