@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
+from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
@@ -141,7 +142,7 @@ def attention(
     new_state = None
     if mode == "parallel":
         scores = parallel_scores(grouped_q, k, key_mask, spec, params)
-        numerator = scores @ v.unsqueeze(2)
+        numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.grouping import grouped_matmul
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,7 +124,7 @@ def kernel_scores(
     k `[B, Hkv, Lk, D]` -> `[B, Hkv, G, Lq, Lk]`. Taylor kernels use the polynomial of q.k
     directly (D work per pair instead of the feature width)."""
     if spec.effective_feature_map == "taylor":
-        return taylor_exp(scale * (q @ k.unsqueeze(2).transpose(-1, -2)), spec.taylor_order)
+        return taylor_exp(scale * grouped_matmul(q, k.transpose(-1, -2)), spec.taylor_order)
     phi_q = query_features(q, spec, scale, params)
     phi_k = key_features(k, spec, scale, params)
-    return phi_q @ phi_k.unsqueeze(2).transpose(-1, -2)
+    return grouped_matmul(phi_q, phi_k.transpose(-1, -2))

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.feature_maps import key_features, kernel_scores, query_features
 
 _PARAM_NAMES = ("hedgehog_q", "hedgehog_k")
@@ -35,7 +36,7 @@ def _causal_chunk_product(scores: torch.Tensor, vc: torch.Tensor) -> torch.Tenso
     """(scores masked to s <= t) @ v for one chunk: `[B, Hkv, G, C, C] x [B, Hkv, C, Dv'] -> [B, Hkv, G, C, Dv']`."""
     size = scores.shape[-1]
     causal = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
-    return scores.masked_fill(~causal, 0.0) @ vc.unsqueeze(2)
+    return grouped_matmul(scores.masked_fill(~causal, 0.0), vc)
 
 
 def _chunk_terms(qc, kc, vc, spec, scale, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +48,7 @@ def _chunk_terms(qc, kc, vc, spec, scale, params) -> tuple[torch.Tensor, torch.T
     if spec.effective_feature_map == "taylor":
         scores = kernel_scores(qc, kc, spec, scale, params)
     else:
-        scores = phi_q @ phi_k.unsqueeze(2).transpose(-1, -2)
+        scores = grouped_matmul(phi_q, phi_k.transpose(-1, -2))
     return phi_q, phi_k, _causal_chunk_product(scores, vc)
 
 
@@ -59,7 +60,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         running = state
         for sl in _chunk_slices(q.shape[-2], chunk_size):
             phi_q, phi_k, intra = _chunk_terms(q[..., sl, :], k[..., sl, :], v[..., sl, :], spec, scale, params)
-            out[..., sl, :] = intra + phi_q @ running.unsqueeze(2)
+            out[..., sl, :] = intra + grouped_matmul(phi_q, running)
             running = running + phi_k.transpose(-1, -2) @ v[..., sl, :]
         ctx.save_for_backward(q, k, v, state, hedgehog_q, hedgehog_k)
         ctx.spec, ctx.scale, ctx.chunk_size = spec, scale, chunk_size
@@ -89,7 +90,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             with torch.enable_grad():
                 (qc_leaf,) = leaves(qc)
                 p_leaves = {name: leaves(p)[0] for name, p in raw_params.items() if p is not None}
-                inter = query_features(qc_leaf, spec, scale, p_leaves) @ running.unsqueeze(2)
+                inter = grouped_matmul(query_features(qc_leaf, spec, scale, p_leaves), running)
                 inputs = [qc_leaf, *p_leaves.values()]
                 grads = torch.autograd.grad(inter, inputs, d_out[..., sl, :], allow_unused=True)
             accumulate(grads[:1], [dq[..., sl, :]])
@@ -146,6 +147,6 @@ def recurrent_linear_attention(
     phi_k = key_features(k, spec, scale, params)
     outputs = []
     for t in range(q.shape[-2]):
-        state = state + phi_k[..., t, :, None] * v[..., t, None, :]
-        outputs.append(phi_q[..., t : t + 1, :] @ state.unsqueeze(2))
-    return torch.cat(outputs, dim=-2), state
+        state = state + phi_k[..., t, :, None] @ v[..., t, None, :]
+        outputs.append(phi_q[..., t, :] @ state)
+    return torch.stack(outputs, dim=-2), state

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.feature_maps import kernel_scores, taylor_exp
 
 
@@ -48,7 +49,7 @@ def parallel_scores(
         if spec.score_clamp is not None:
             scores = scores.clamp_max(spec.score_clamp)
         return scores.masked_fill(~visible, 0.0)
-    x = scale * (q @ k.unsqueeze(2).transpose(-1, -2))
+    x = scale * grouped_matmul(q, k.transpose(-1, -2))
     if spec.score_clamp is not None:
         x = x.clamp_max(spec.score_clamp)
     if spec.uses_taylor:
