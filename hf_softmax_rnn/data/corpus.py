@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,12 @@ def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
     return builders.pop(), files
 
 
-def pack_texts(texts: Dataset, tokenizer, block_size: int, *, num_proc: int | None = None) -> Dataset:
+def pack_texts(
+    texts: Dataset | IterableDataset, tokenizer, block_size: int, *, num_proc: int | None = None
+) -> Dataset | IterableDataset:
     """Tokenise, join documents with the EOS token and cut into blocks of `block_size` tokens.
+
+    A streamed (iterable) dataset is packed lazily, 1000 documents at a time.
 
     Returns a dataset with "input_ids" (and "labels" equal to them) of exactly block_size
     tokens each; the tail shorter than a block is dropped. Uses `datasets.map` caching.
@@ -119,6 +123,9 @@ def pack_texts(texts: Dataset, tokenizer, block_size: int, *, num_proc: int | No
         blocks = [flat[i : i + block_size] for i in range(0, usable, block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
-    columns = texts.column_names
+    columns = texts.column_names or ["text"]
+    if isinstance(texts, IterableDataset):
+        tokenized = texts.map(tokenize, batched=True, remove_columns=columns)
+        return tokenized.map(group, batched=True, batch_size=1000)
     tokenized = texts.map(tokenize, batched=True, remove_columns=columns, num_proc=num_proc, desc="Tokenising")
     return tokenized.map(group, batched=True, batch_size=1000, num_proc=num_proc, desc=f"Packing into {block_size}-token blocks")

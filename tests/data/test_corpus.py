@@ -37,3 +37,11 @@ def test_pack_texts_blocks_are_exact_and_ordered():
     expected = [1 + (ord(c) % 50) for c in "abcdefg"] + [0] + [1 + (ord(c) % 50) for c in "hij"] + [0]
     assert packed["input_ids"] == [expected[0:4], expected[4:8], expected[8:12]]
     assert packed["labels"] == packed["input_ids"]
+
+
+def test_pack_texts_streams_the_same_blocks():
+    from datasets import Dataset
+
+    texts = Dataset.from_dict({"text": ["abcdefg", "hij"]})
+    streamed = pack_texts(texts.to_iterable_dataset(), _CharTokenizer(), block_size=4)
+    assert [row["input_ids"] for row in streamed] == pack_texts(texts, _CharTokenizer(), block_size=4)["input_ids"]

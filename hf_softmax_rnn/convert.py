@@ -1,0 +1,119 @@
+"""Turn a pretrained Llama or GPT-2 into the matching softmax_rnn model with the same weights."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Iterable
+
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
+from transformers import initialization as init
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.models import (
+    SoftmaxRNNGPT2Config,
+    SoftmaxRNNGPT2LMHeadModel,
+    SoftmaxRNNLlamaConfig,
+    SoftmaxRNNLlamaForCausalLM,
+)
+from hf_softmax_rnn.models.modeling_softmax_rnn import SoftmaxRNNPreTrainedMixin
+
+logger = logging.getLogger(__name__)
+
+#: Source class -> (config class, model class) of its softmax_rnn counterpart.
+FAMILIES: dict[type[PreTrainedModel], tuple[type, type[PreTrainedModel]]] = {
+    LlamaForCausalLM: (SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM),
+    GPT2LMHeadModel: (SoftmaxRNNGPT2Config, SoftmaxRNNGPT2LMHeadModel),
+}
+# Config entries that belong to the source class, not to the converted one.
+_DROPPED_CONFIG_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
+
+
+def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
+    if isinstance(model, SoftmaxRNNPreTrainedMixin):
+        raise TypeError(
+            f"{type(model).__name__} is already a softmax_rnn model; convert the original checkpoint, or change "
+            "`config.attention` / `config.layer_attention` and load the weights with from_pretrained"
+        )
+    for source, family in FAMILIES.items():
+        if isinstance(model, source):
+            return family
+    raise TypeError(
+        f"convert() got a {type(model).__name__}; expected one of {[cls.__name__ for cls in FAMILIES]} "
+        "(or a directory / Hub id holding one)"
+    )
+
+
+def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str, str] | None:
+    """Keep exact softmax in every layer not listed in `layers`."""
+    if layers is None:
+        return None
+    chosen = list(layers)
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad or not chosen:
+        raise ValueError(f"convert(layers={chosen!r}): expected a non-empty list of layer indices in 0..{num_layers - 1}")
+    return {str(i): "softmax" for i in range(num_layers) if i not in set(chosen)}
+
+
+def convert(
+    model_or_path: PreTrainedModel | str | os.PathLike,
+    spec_or_preset: AttentionSpec | dict | str,
+    layers: Iterable[int] | None = None,
+    *,
+    attention_mode: str = "parallel",
+    **from_pretrained_kwargs,
+) -> PreTrainedModel:
+    """A softmax_rnn copy of a pretrained `LlamaForCausalLM` / `GPT2LMHeadModel`.
+
+    Args:
+        model_or_path: the model, or a local directory / Hub id that
+            `AutoModelForCausalLM.from_pretrained` loads into one of those classes.
+        spec_or_preset: the new attention: an `AttentionSpec`, a dict of its fields or a
+            preset name (`hf_softmax_rnn.PRESETS`).
+        layers: indices of the layers to convert; None converts all, the others keep exact
+            softmax (a hybrid).
+        attention_mode: forward mode without cache for finite-state layers ("parallel" or
+            "chunked").
+        **from_pretrained_kwargs: passed to `from_pretrained` when loading from a path (dtype, ...).
+
+    Returns:
+        `SoftmaxRNNLlamaForCausalLM` / `SoftmaxRNNGPT2LMHeadModel` with the same config (plus
+        the attention fields), generation config, dtype, device and train/eval mode, and a
+        copy of every weight (loaded strictly: each original parameter must find its place).
+
+    The new parameters start where they change the model least (`RNNParams.reset_parameters`):
+    gates open (weight 0, bias 5: sigmoid = 0.993 for every token), norm weight 1 and bias 0,
+    seqlen power 0.5, hedgehog maps the identity. The kernel change itself (exp -> a
+    Taylor truncation, a feature map, a norm instead of the denominator) is what the
+    untrained converted model loses; `convert(..., "softmax")` reproduces the original logits,
+    and fine-tuning (attention transfer, then LM loss) recovers the rest.
+    """
+    source = model_or_path
+    if not isinstance(source, PreTrainedModel):
+        source = AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
+    config_class, model_class = _family(source)
+    spec = AttentionSpec.coerce(spec_or_preset)
+
+    fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
+    config = config_class(
+        **fields,
+        attention=spec,
+        layer_attention=_layer_overrides(layers, source.config.num_hidden_layers),
+        attention_mode=attention_mode,
+    )
+    with init.no_init_weights():  # every weight but rnn_params (initialised on construction) is loaded next
+        model = model_class._from_config(config, dtype=source.dtype)
+    incompatible = model.load_state_dict(source.state_dict(), strict=False)
+    missing = [key for key in incompatible.missing_keys if ".rnn_params." not in key]
+    if missing or incompatible.unexpected_keys:
+        raise RuntimeError(
+            f"convert: the weights of {type(source).__name__} do not map onto {model_class.__name__}: "
+            f"missing {missing}, unexpected {incompatible.unexpected_keys}"
+        )
+    model.tie_weights()
+    model.generation_config = copy.deepcopy(source.generation_config)
+    model.to(source.device).train(source.training)
+    logger.info("Converted %s to %s: %s", type(source).__name__, model_class.__name__, config.attention_summary())
+    return model
+

@@ -1,0 +1,317 @@
+"""Attention modules that compute any `AttentionSpec` inside Llama and GPT-2.
+
+`SoftmaxRNNAttentionMixin` is the shared core: it owns `rnn_params` (every learned
+tensor a spec adds: gates, norm weight/bias, hedgehog maps, seqlen power), calls
+`hf_softmax_rnn.ops.attention` in the right mode and handles the cache:
+
+- no cache (training, scoring): mode `config.attention_mode` ("parallel" by default,
+  "chunked" for finite-state specs when asked);
+- cache and a finite-state spec that fits (`spec.fits_recurrent_state(head_dim)`):
+  prefill "chunked", decode "recurrent", carrying the `RecurrentState` in a
+  `RecurrentStateLayer` of the cache (constant memory);
+- cache and exact exp (softmax, clamped exp, Taylor orders too large to store): keys and
+  values go to the cache's `DynamicLayer` and the queries attend in parallel form (Lq < Lk).
+
+`SoftmaxRNNLlamaAttention` and `SoftmaxRNNGPT2Attention` subclass transformers' modules
+and keep their projections and parameter names (q_proj..o_proj, c_attn/c_proj), so
+pretrained weights and PEFT targets work unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.layers.cache import recurrent_state_layer
+from hf_softmax_rnn.ops.attention import attention
+from hf_softmax_rnn.ops.softmax import softmax_attention
+
+logger = logging.getLogger(__name__)
+
+#: Forward modes without a cache (`config.attention_mode`); "chunked" applies to finite-state layers.
+NO_CACHE_MODES = ("parallel", "chunked")
+#: Gate bias at initialisation: sigmoid(5) = 0.993, so a gate starts (almost) open.
+GATE_BIAS_INIT = 5.0
+#: Initial logit p_h of the seqlen_pow normaliser (values divided by t^sigmoid(p_h)).
+SEQLEN_POWER_INIT = 0.5
+
+# normaliser -> its learned tensors (name -> shape as a function of heads H and value dim Dv)
+_NORMALIZER_PARAMS: dict[str, dict[str, tuple[str, ...]]] = {
+    "rms": {"norm_weight": ("H", "Dv")},
+    "seqlen_rms": {"norm_weight": ("H", "Dv")},
+    "layer": {"norm_weight": ("H", "Dv"), "norm_bias": ("H", "Dv")},
+    "seqlen_layer": {"norm_weight": ("H", "Dv"), "norm_bias": ("H", "Dv")},
+    "seqlen_pow": {"seqlen_power": ("H",)},
+}
+_PARAM_INIT_VALUES = {"norm_weight": 1.0, "norm_bias": 0.0, "seqlen_power": SEQLEN_POWER_INIT}
+
+
+class RNNParams(nn.Module):
+    """Every learned tensor an `AttentionSpec` adds to one attention layer.
+
+    - `input_gate`: Linear(hidden, Hkv), sigmoid -> one scalar per position and KV head.
+    - `output_gate`: Linear(hidden, H), sigmoid -> one scalar per position and query head.
+    - `norm_weight`, `norm_bias` `[H, Dv]`: rms / layer normalisers.
+    - `seqlen_power` `[H]`: logit of the exponent of the seqlen_pow normaliser.
+    - `hedgehog_q` `[H, D, F]`, `hedgehog_k` `[Hkv, D, F]`: hedgehog feature maps.
+
+    Initialisation (`reset_parameters`, also what `convert` gives a pretrained model):
+    gate weights 0 and bias `GATE_BIAS_INIT`, so each gate is the constant 0.993 until
+    trained (the output is scaled by 0.993, not by a token-dependent factor); norm weight 1
+    and bias 0 (the plain normaliser); seqlen power `SEQLEN_POWER_INIT`; hedgehog maps the
+    identity `eye(D, F)` per head, so phi(x) = [softmax(x), softmax(-x)] starts as the
+    Hedgehog paper's initialisation, to be fitted to softmax by attention transfer.
+    """
+
+    def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
+        super().__init__()
+        self.input_gate = nn.Linear(hidden_size, num_kv_heads) if spec.input_gate else None
+        self.output_gate = nn.Linear(hidden_size, num_heads) if spec.output_gate else None
+        sizes = {"H": num_heads, "Dv": head_dim}
+        self._tensor_names: list[str] = []
+        for name, shape in _NORMALIZER_PARAMS.get(spec.normalizer, {}).items():
+            self.register_parameter(name, nn.Parameter(torch.empty(*(sizes[dim] for dim in shape))))
+            self._tensor_names.append(name)
+        if spec.effective_feature_map == "hedgehog":
+            width = spec.hedgehog_dim or head_dim
+            self.hedgehog_q = nn.Parameter(torch.empty(num_heads, head_dim, width))
+            self.hedgehog_k = nn.Parameter(torch.empty(num_kv_heads, head_dim, width))
+            self._tensor_names += ["hedgehog_q", "hedgehog_k"]
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for gate in (self.input_gate, self.output_gate):
+            if gate is not None:
+                init.zeros_(gate.weight)
+                init.constant_(gate.bias, GATE_BIAS_INIT)
+        for name in self._tensor_names:
+            tensor = getattr(self, name)
+            if name.startswith("hedgehog"):
+                identity = torch.eye(tensor.shape[1], tensor.shape[2], device=tensor.device, dtype=tensor.dtype)
+                init.copy_(tensor, identity.expand_as(tensor))
+            else:
+                init.constant_(tensor, _PARAM_INIT_VALUES[name])
+
+    def gates(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Gate values from the layer input `[B, L, hidden]`: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`}."""
+        gates = {}
+        for name, gate in (("input", self.input_gate), ("output", self.output_gate)):
+            if gate is not None:
+                gates[name] = torch.sigmoid(gate(hidden_states)).transpose(1, 2)
+        return gates
+
+    def op_params(self) -> dict[str, torch.Tensor]:
+        """The learned tensors by the names `ops.attention(params=...)` expects."""
+        return {name: getattr(self, name) for name in self._tensor_names}
+
+
+class SoftmaxRNNAttentionMixin:
+    """The shared attention core: subclasses compute q `[B, H, L, D]`, k, v `[B, Hkv, L, D]`
+    and call `softmax_rnn_attention`, which returns the pre-projection output `[B, L, H * D]`.
+
+    Attributes set by `init_softmax_rnn`: `attention_spec` (as configured), `op_spec` (what
+    the ops compute: the qk scale resolved to the module's `scaling`, the input gate applied
+    here so that cached values are gated), `uses_recurrent_state`, `attention_mode`,
+    `rnn_params`, and for attention transfer `attention_transfer` / `transfer_loss`.
+    """
+
+    def init_softmax_rnn(
+        self, spec: AttentionSpec, attention_mode: str, *, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int
+    ) -> None:
+        if attention_mode not in NO_CACHE_MODES:
+            raise ValueError(f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}")
+        self.attention_spec = spec
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the spec already warned once when it was built
+            scale = spec.qk_scale if spec.qk_scale is not None else self.scaling
+            self.op_spec = dataclasses.replace(spec, qk_scale=scale, input_gate=False)
+        self.uses_recurrent_state = spec.fits_recurrent_state(head_dim)
+        self.attention_mode = attention_mode if self.uses_recurrent_state else "parallel"
+        self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
+        self.attention_transfer = False
+        self.transfer_loss: torch.Tensor | None = None
+
+    @property
+    def is_converted(self) -> bool:
+        """Whether this layer computes something other than exact softmax."""
+        return self.attention_spec.kind != "softmax"
+
+    def softmax_rnn_attention(
+        self,
+        hidden_states: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        """Attention of `self.attention_spec`: `[B, L, hidden]`, q `[B, H, L, D]`, k, v `[B, Hkv, L, D]`,
+        padding mask `[B, L_total]` or None -> `[B, L, H * D]`."""
+        batch, _, length, _ = query.shape
+        gates = self.rnn_params.gates(hidden_states)
+        input_gate = gates.pop("input", None)
+        gated_value = value if input_gate is None else value * input_gate.unsqueeze(-1).to(value.dtype)
+        common = dict(attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params())
+        if cache is None:
+            out, _ = attention(query, key, gated_value, self.op_spec, mode=self.attention_mode, **common)
+            if self.attention_transfer:
+                self.transfer_loss = self._transfer_loss(out, query, key, value, attention_mask)
+        elif self.attention_transfer:
+            raise ValueError("attention transfer compares full sequences; call the model with use_cache=False")
+        elif self.uses_recurrent_state:
+            layer = recurrent_state_layer(cache, self.layer_idx)
+            mode = "recurrent" if length == 1 and layer.state is not None else "chunked"
+            out, state = attention(query, key, gated_value, self.op_spec, mode=mode, state=layer.state, **common)
+            layer.update_state(state, length)
+        else:
+            key, gated_value = cache.update(key, gated_value, self.layer_idx)
+            out, _ = attention(query, key, gated_value, self.op_spec, mode="parallel", **common)
+        return out.transpose(1, 2).reshape(batch, length, -1)
+
+    def _transfer_loss(
+        self,
+        student: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """MSE (in float32 or wider) between this layer's output and exact causal softmax on the same q, k, v
+        (no grad), over non-padded query positions. Outputs `[B, H, L, D]`."""
+        key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
+        with torch.no_grad():
+            teacher = softmax_attention(query, key, value, key_mask, self.scaling)
+        dtype = torch.promote_types(student.dtype, torch.float32)
+        student, teacher = student.to(dtype), teacher.to(dtype)
+        if key_mask is None:
+            return F.mse_loss(student, teacher)
+        weight = key_mask[:, None, -query.shape[-2] :, None].to(dtype)
+        squared = (student - teacher).pow(2) * weight
+        return squared.sum() / (weight.sum() * student.shape[1] * student.shape[-1]).clamp_min(1.0)
+
+    def extra_repr(self) -> str:
+        return f"attention={self.attention_spec.describe()!r}, recurrent_state={self.uses_recurrent_state}"
+
+
+def _warn_attention_dropout(module: nn.Module, probability: float) -> None:
+    if probability > 0:
+        logger.info(
+            "%s: attention-probability dropout (p=%s) is not applied by softmax_rnn attention layers",
+            type(module).__name__,
+            probability,
+        )
+
+
+class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
+    """`LlamaAttention` (same q/k/v/o projections and RoPE) computing `config.attention_spec(layer_idx)`."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.init_softmax_rnn(
+            config.attention_spec(layer_idx),
+            config.attention_mode,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_size=config.hidden_size,
+        )
+        _warn_attention_dropout(self, config.attention_dropout or 0.0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """`[B, L, hidden]` -> (`[B, L, hidden]`, None); attention_mask is the 2-D padding mask."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache)
+        return self.o_proj(out), None
+
+
+class SoftmaxRNNGPT2Attention(SoftmaxRNNAttentionMixin, GPT2Attention):
+    """`GPT2Attention` (same Conv1D c_attn/c_proj, GPT-2's scaling incl. `scale_attn_by_inverse_layer_idx`)
+    computing `config.attention_spec(layer_idx)`. Self-attention only."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, is_cross_attention=False, layer_idx=layer_idx)
+        self.init_softmax_rnn(
+            config.attention_spec(layer_idx),
+            config.attention_mode,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            hidden_size=self.embed_dim,
+        )
+        _warn_attention_dropout(self, config.attn_pdrop)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool | None = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """`[B, L, hidden]` -> (`[B, L, hidden]`, None); attention_mask is the 2-D padding mask."""
+        if encoder_hidden_states is not None:
+            raise ValueError(f"{type(self).__name__} is self-attention only; it got encoder_hidden_states")
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key, value = (x.view(shape).transpose(1, 2) for x in self.c_attn(hidden_states).split(self.split_size, dim=2))
+        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache)
+        return self.resid_dropout(self.c_proj(out)), None
+
+
+def softmax_rnn_attention_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
+    """All softmax_rnn attention modules of `model` (also inside PEFT or other wrappers), in order."""
+    return [module for module in model.modules() if isinstance(module, SoftmaxRNNAttentionMixin)]
+
+
+def _converted_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
+    modules = [module for module in softmax_rnn_attention_modules(model) if module.is_converted]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no converted (non-softmax) softmax_rnn attention layers")
+    return modules
+
+
+def set_attention_transfer(model: nn.Module, enabled: bool) -> None:
+    """Turn attention transfer on or off for every converted layer.
+
+    While on, each converted layer also computes exact causal softmax attention on the same
+    q, k, v (teacher, no grad) and stores `mse(student, teacher)` of the pre-o_proj outputs
+    in `module.transfer_loss` (forward with `use_cache=False`).
+    """
+    for module in _converted_modules(model):
+        module.attention_transfer = bool(enabled)
+        module.transfer_loss = None
+
+
+def transfer_losses(model: nn.Module) -> list[torch.Tensor]:
+    """The transfer losses of the last forward, one scalar per converted layer."""
+    modules = _converted_modules(model)
+    if not all(module.attention_transfer and module.transfer_loss is not None for module in modules):
+        raise RuntimeError(
+            "No attention-transfer losses stored: call set_attention_transfer(model, True), then run a forward "
+            "pass with use_cache=False"
+        )
+    return [module.transfer_loss for module in modules]

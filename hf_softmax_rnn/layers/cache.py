@@ -1,0 +1,138 @@
+"""A transformers cache layer that holds a recurrent state instead of keys and values.
+
+`RecurrentStateLayer` registers itself (through `CacheLayerMixin._layer_type`) under
+`RECURRENT_LAYER_TYPE`, so `DynamicCache(config=...)` builds one for every layer whose
+`config.layer_types` entry names it; layers that keep exact softmax stay `DynamicLayer`s
+(a growing KV cache) in the same `Cache`. Its memory is the state (S, z, t) per KV head,
+`[B, Hkv, F, Dv + 1]` (S and z packed) plus `[B]`, whatever the number of tokens seen.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_softmax_rnn.ops.attention import RecurrentState
+
+#: The `config.layer_types` entry of a layer decoded from a recurrent state.
+RECURRENT_LAYER_TYPE = "softmax_rnn_recurrent"
+
+
+class RecurrentStateLayer(CacheLayerMixin):
+    """The cache of one attention layer decoded from its recurrent state.
+
+    `state` is None until the first forward; `cumulative_length` counts every position
+    fed so far (padding included), which is what transformers calls the sequence length
+    (position ids, mask sizes). The state's own `t` counts only visible positions per row.
+    """
+
+    _layer_type = RECURRENT_LAYER_TYPE
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+    holds_recurrent_state = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.state: RecurrentState | None = None
+        self.cumulative_length = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seen={self.cumulative_length}, bytes={self.nbytes})"
+
+    # ------------------------------------------------------------------ the recurrent state
+    def update_state(self, state: RecurrentState, num_new_positions: int) -> None:
+        """Store the state after `num_new_positions` more positions (padding included)."""
+        self.state = state
+        self.device = state.t.device
+        self.cumulative_length += num_new_positions
+        self.is_initialized = True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+    # ------------------------------------------------------------------ CacheLayerMixin API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError(
+            f"{type(self).__name__} holds a recurrent state, not keys and values; the attention layer reads "
+            "and writes it with `state` / `update_state` (was the layer given a cache built for another model?)"
+        )
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"{type(self).__name__} cannot remove {abs(tokens_to_remove)} tokens: a recurrent state has summed "
+                "them in (assisted and speculative decoding need a croppable KV cache)"
+            )
+
+    def offload(self) -> None:
+        if self.state is not None:
+            self.state = self.state.map(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.state is not None and self.state.t.device != self.device:
+            self.state = self.state.map(lambda x: x.to(self.device, non_blocking=True))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state = self.state.map(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            self.state = self.state.map(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state = self.state.map(lambda x: x[indices])
+
+
+def recurrent_state_layer(cache: Cache, layer_idx: int) -> RecurrentStateLayer:
+    """The `RecurrentStateLayer` of `cache` at `layer_idx`, created in a lazily-built cache
+    (e.g. a bare `DynamicCache()`) if that slot does not exist yet or holds nothing."""
+    if getattr(cache, "layer_class_to_replicate", None) is not None:
+        while len(cache.layers) <= layer_idx:
+            cache.layers.append(cache.layer_class_to_replicate())
+    if layer_idx >= len(cache.layers):
+        raise ValueError(f"The cache has {len(cache.layers)} layers; layer {layer_idx} has no slot in it")
+    layer = cache.layers[layer_idx]
+    if getattr(layer, "holds_recurrent_state", False):
+        return layer
+    if layer.get_seq_length() == 0:
+        cache.layers[layer_idx] = RecurrentStateLayer()
+        return cache.layers[layer_idx]
+    raise TypeError(
+        f"Cache layer {layer_idx} is a {type(layer).__name__} that already holds keys and values, but this attention "
+        "layer decodes from a recurrent state; build the cache with DynamicCache(config=model.config)"
+    )
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by a cache: recurrent states plus cached keys and values."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "holds_recurrent_state", False):
+            total += layer.nbytes
+            continue
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,82 @@
+"""What the softmax_rnn configs share: the attention choice per layer and the cache layout.
+
+A config class (a `@strict` subclass of `LlamaConfig` / `GPT2Config`) declares three fields,
+
+    attention: dict | str | AttentionSpec | None       # the spec of every layer (None = "softmax")
+    layer_attention: dict | None                        # {layer_idx: spec} overrides (hybrids)
+    attention_mode: str = "parallel"                    # forward without cache: parallel | chunked
+
+and inherits `SoftmaxRNNConfigMixin` for the logic. Specs are validated by `AttentionSpec`
+(presets, dicts and specs all go through `AttentionSpec.coerce`) and stored as plain dicts
+so that config.json holds every field explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.layers.attention import NO_CACHE_MODES
+from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
+
+#: `layer_types` entry of a layer decoded from a KV cache (transformers' `DynamicLayer`).
+KV_LAYER_TYPE = "full_attention"
+
+
+class SoftmaxRNNConfigMixin:
+    """Attention-choice logic for configs with `attention`, `layer_attention`, `attention_mode` fields."""
+
+    def _normalize_attention_fields(self) -> None:
+        """Coerce the fields to plain dicts and validate them (called first in `__post_init__`)."""
+        self.attention = AttentionSpec.coerce("softmax" if self.attention is None else self.attention).to_dict()
+        if self.layer_attention is not None:
+            self.layer_attention = {
+                str(self._layer_index(key)): AttentionSpec.coerce(value).to_dict() for key, value in self.layer_attention.items()
+            }
+        self.validate_attention()
+
+    def _layer_index(self, key: Any) -> int:
+        """A layer index from an int or its string form (JSON keys are strings)."""
+        index = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_hidden_layers:
+            raise ValueError(
+                f"layer_attention has key {key!r}; expected layer indices in 0..{self.num_hidden_layers - 1}"
+            )
+        return index
+
+    def validate_attention(self) -> None:
+        """Part of `@strict` validation: every spec valid, layer keys in range, a known mode."""
+        if self.attention_mode not in NO_CACHE_MODES:
+            raise ValueError(f"attention_mode={self.attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}")
+        AttentionSpec.coerce(self.attention)
+        for key, value in (self.layer_attention or {}).items():
+            self._layer_index(key)
+            AttentionSpec.coerce(value)
+
+    def validate_layer_type(self) -> None:
+        """Our `layer_types` are derived from the specs (and include the recurrent cache layer type)."""
+
+    def attention_spec(self, layer_idx: int) -> AttentionSpec:
+        """The `AttentionSpec` of layer `layer_idx`."""
+        self._layer_index(layer_idx)
+        overrides = self.layer_attention or {}
+        return AttentionSpec.coerce(overrides.get(str(layer_idx), self.attention))
+
+    @property
+    def attention_head_dim(self) -> int:
+        return getattr(self, "head_dim", None) or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Cache layer type per layer: a recurrent state where the spec's state fits, else a KV cache."""
+        return [
+            RECURRENT_LAYER_TYPE if self.attention_spec(i).fits_recurrent_state(self.attention_head_dim) else KV_LAYER_TYPE
+            for i in range(self.num_hidden_layers)
+        ]
+
+    def attention_summary(self) -> str:
+        """One line per distinct spec: which layers use what."""
+        groups: dict[str, list[int]] = {}
+        for i in range(self.num_hidden_layers):
+            groups.setdefault(self.attention_spec(i).describe(), []).append(i)
+        return "; ".join(f"layers {layers}: {description}" for description, layers in groups.items())

@@ -1,0 +1,40 @@
+"""Configuration of Llama with the paper's attention (model_type "softmax_rnn_llama")."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.models.configuration_softmax_rnn import SoftmaxRNNConfigMixin
+
+
+@strict
+class SoftmaxRNNLlamaConfig(SoftmaxRNNConfigMixin, LlamaConfig):
+    """`LlamaConfig` plus the attention choice.
+
+    Args:
+        attention: the `AttentionSpec` of every layer, as a spec, a dict of its fields or a
+            preset name (see `hf_softmax_rnn.PRESETS`); None = exact softmax. Stored as a dict.
+        layer_attention: optional `{layer_idx: spec}` overrides, e.g. to keep softmax in some
+            layers (a hybrid). Keys are stored as strings (JSON).
+        attention_mode: how layers with a finite state run without a cache: "parallel"
+            (the masked L x L form, default) or "chunked" (no L x L matrix).
+        **kwargs: any `LlamaConfig` argument (hidden_size, num_hidden_layers, ...).
+
+    `config.attention_spec(i)` gives layer i's spec; `config.layer_types` says which layers
+    decode from a recurrent state ("softmax_rnn_recurrent") and which from a KV cache.
+    """
+
+    model_type = "softmax_rnn_llama"
+
+    attention: dict | str | AttentionSpec | None = None
+    layer_attention: dict | None = None
+    attention_mode: str = "parallel"
+
+    def __post_init__(self, **kwargs):
+        self._normalize_attention_fields()
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["SoftmaxRNNLlamaConfig"]

@@ -1,0 +1,86 @@
+"""The softmax_rnn configs: attention fields, validation through AttentionSpec, JSON round trip."""
+
+import pytest
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import AutoConfig
+
+from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
+from hf_softmax_rnn.layers import RECURRENT_LAYER_TYPE
+
+LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+GPT2 = dict(n_embd=32, n_layer=3, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0)
+CONFIGS = {"llama": (SoftmaxRNNLlamaConfig, LLAMA), "gpt2": (SoftmaxRNNGPT2Config, GPT2)}
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def make_config(request):
+    config_class, kwargs = CONFIGS[request.param]
+    return lambda **extra: config_class(**kwargs, **extra)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [AttentionSpec.from_preset("linear_elu"), AttentionSpec.from_preset("linear_elu").to_dict(), "linear_elu"],
+    ids=["spec", "dict", "preset"],
+)
+def test_attention_accepts_spec_dict_or_preset_and_stores_a_dict(make_config, value):
+    config = make_config(attention=value)
+    assert config.attention == AttentionSpec.from_preset("linear_elu").to_dict()
+    assert all(config.attention_spec(i) == AttentionSpec.from_preset("linear_elu") for i in range(3))
+
+
+def test_default_attention_is_exact_softmax(make_config):
+    assert make_config().attention_spec(0) == AttentionSpec.from_preset("softmax")
+
+
+def test_layer_overrides_make_a_hybrid_with_matching_cache_layer_types(make_config):
+    config = make_config(attention="softmax_taylor_2", layer_attention={1: "softmax", "2": "gated_softmax"})
+    assert [config.attention_spec(i) for i in range(3)] == [
+        AttentionSpec.from_preset(name) for name in ("softmax_taylor_2", "softmax", "gated_softmax")
+    ]
+    assert config.layer_types == [RECURRENT_LAYER_TYPE, "full_attention", "full_attention"]
+    assert sorted(config.layer_attention) == ["1", "2"]
+
+
+@pytest.mark.filterwarnings("ignore:AttentionSpec.taylor_order=79 is odd")
+def test_state_too_large_for_the_head_size_decodes_from_a_kv_cache(make_config):
+    config = make_config(attention="softmax_taylor_80terms")
+    assert config.attention_spec(0).has_finite_state
+    assert config.layer_types == ["full_attention"] * 3
+
+
+def test_json_round_trip_through_auto_config(make_config, tmp_path):
+    config = make_config(attention="linear_hedgehog", layer_attention={0: "softmax"}, attention_mode="chunked")
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is type(config)
+    assert {**loaded.to_dict(), "_name_or_path": ""} == config.to_dict()
+    assert [loaded.attention_spec(i) for i in range(3)] == [config.attention_spec(i) for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"attention": "no_such_preset"}, "Unknown attention preset 'no_such_preset'"),
+        ({"attention": {"kind": "linear"}}, "feature_map=None is not allowed"),
+        ({"attention": {"kind": "softmax", "bogus": 1}}, "unknown fields \\['bogus'\\]"),
+        ({"layer_attention": {3: "softmax"}}, "key 3; expected layer indices in 0..2"),
+        ({"layer_attention": {"first": "softmax"}}, "key 'first'"),
+        ({"layer_attention": {1.5: "softmax"}}, "key 1.5"),
+        ({"attention_mode": "recurrent"}, "attention_mode='recurrent' is not allowed"),
+    ],
+    ids=["unknown-preset", "invalid-spec", "unknown-field", "layer-out-of-range", "layer-not-an-int", "layer-float", "bad-mode"],
+)
+def test_bad_attention_fields_raise_naming_the_value(make_config, extra, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(**extra)
+
+
+def test_attention_spec_of_a_missing_layer_raises(make_config):
+    with pytest.raises(ValueError, match="key 7"):
+        make_config().attention_spec(7)
+
+
+def test_gpt2_cross_attention_is_rejected():
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="add_cross_attention=True is not supported"):
+        SoftmaxRNNGPT2Config(**GPT2, add_cross_attention=True)

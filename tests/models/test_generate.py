@@ -1,0 +1,129 @@
+"""`model.generate()` with the recurrent-state / KV cache against full recomputation without cache."""
+
+import warnings
+
+import pytest
+import torch
+from .helpers import left_padded_batch, tiny_model
+
+from hf_softmax_rnn import PRESETS, AttentionSpec
+from hf_softmax_rnn.layers import RecurrentStateLayer, cache_nbytes
+
+HEAD_DIM = 8
+
+
+def _spec(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the odd order-79 Taylor preset warns
+        return AttentionSpec.from_preset(name)
+
+
+RECURRENT_PRESETS = [name for name in PRESETS if _spec(name).fits_recurrent_state(HEAD_DIM)]
+KV_PRESETS = [name for name in PRESETS if name not in RECURRENT_PRESETS]
+GREEDY = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+pytestmark = pytest.mark.filterwarnings("ignore:AttentionSpec.taylor_order=79 is odd")
+
+
+def test_presets_cover_both_cache_kinds():
+    assert {"linear_elu", "linear_hedgehog", "softmax_taylor_2"} <= set(RECURRENT_PRESETS)
+    assert {"softmax", "gated_softmax", "softmax_taylor_80terms"} <= set(KV_PRESETS)
+
+
+def assert_same_generation(cached, uncached, rows=slice(None)):
+    assert torch.equal(cached.sequences[rows], uncached.sequences[rows])
+    assert len(cached.logits) == len(uncached.logits)
+    for step_cached, step_uncached in zip(cached.logits, uncached.logits):
+        torch.testing.assert_close(step_cached[rows], step_uncached[rows], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("preset", [*RECURRENT_PRESETS, *KV_PRESETS])
+def test_cached_greedy_generation_matches_recomputation(family, preset):
+    model = tiny_model(family, preset)
+    ids, mask = left_padded_batch()
+    cached = model.generate(ids, attention_mask=mask, **GREEDY)
+    uncached = model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY)
+    assert_same_generation(cached, uncached)
+    assert [isinstance(layer, RecurrentStateLayer) for layer in cached.cache.layers] == [preset in RECURRENT_PRESETS] * 2
+
+
+@pytest.mark.parametrize("preset", [*RECURRENT_PRESETS, "softmax", "gated_softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"])
+def test_left_padded_rows_match_their_unpadded_generation(family, preset):
+    model = tiny_model(family, AttentionSpec.from_preset(preset, chunk_size=4) if preset in RECURRENT_PRESETS else preset)
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    batched = model.generate(ids, attention_mask=mask, **GREEDY)
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, ~mask[row].eq(0)]
+        single = model.generate(alone, attention_mask=torch.ones_like(alone), **GREEDY)
+        assert torch.equal(batched.sequences[row, -GREEDY["max_new_tokens"] :], single.sequences[0, -GREEDY["max_new_tokens"] :])
+        for step_batched, step_single in zip(batched.logits, single.logits):
+            torch.testing.assert_close(step_batched[row], step_single[0], atol=1e-4, rtol=0)
+
+
+def test_recurrent_cache_memory_does_not_grow_with_generated_tokens(family):
+    model = tiny_model(family, "softmax_taylor_2")
+    ids, mask = left_padded_batch()
+    sizes = {}
+    for new_tokens in (1, 4, 16):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+        sizes[new_tokens] = cache_nbytes(out.cache)
+    features = AttentionSpec.from_preset("softmax_taylor_2").feature_dim(HEAD_DIM)
+    kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
+    per_layer = ids.shape[0] * (kv_heads * features * (HEAD_DIM + 1) * 4 + 8)  # float32 S and z, int64 t
+    assert sizes == {1: 2 * per_layer, 4: 2 * per_layer, 16: 2 * per_layer}
+
+
+def test_kv_cache_memory_grows_with_generated_tokens(family):
+    """The measure above can see growth: a softmax model's cache grows by K and V per token."""
+    model = tiny_model(family, "softmax")
+    ids, mask = left_padded_batch()
+    sizes = [
+        cache_nbytes(model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True).cache)
+        for n in (2, 6)
+    ]
+    kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
+    assert sizes[1] - sizes[0] == 4 * 2 * ids.shape[0] * 2 * kv_heads * HEAD_DIM * 4  # 4 tokens, 2 layers, K+V, float32
+
+
+@pytest.mark.parametrize("preset", ["linear_elu", "softmax_taylor_2_l2", "gated_softmax"])
+def test_beam_search_with_several_returned_sequences_matches_uncached(family, preset):
+    model = tiny_model(family, preset)
+    ids, mask = left_padded_batch()
+    settings = dict(
+        max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
+    cached = model.generate(ids, attention_mask=mask, **settings)
+    uncached = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert cached.sequences.shape[0] == 2 * ids.shape[0]
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["linear_hedgehog", "gated_softmax"])
+def test_seeded_sampling_with_several_returned_sequences_matches_uncached(family, preset):
+    model = tiny_model(family, preset)
+    ids, mask = left_padded_batch()
+    settings = dict(max_new_tokens=6, do_sample=True, top_k=20, temperature=0.9, num_return_sequences=3)
+    torch.manual_seed(123)
+    cached = model.generate(ids, attention_mask=mask, **settings)
+    torch.manual_seed(123)
+    uncached = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert cached.shape[0] == 3 * ids.shape[0]
+    assert torch.equal(cached, uncached)
+
+
+def test_hybrid_keeps_a_kv_cache_for_softmax_layers_in_the_same_cache(family):
+    model = tiny_model(family, "softmax_taylor_2", layers=[1])
+    ids, mask = left_padded_batch()
+    cached = model.generate(ids, attention_mask=mask, **GREEDY)
+    uncached = model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY)
+    assert_same_generation(cached, uncached)
+    first, second = cached.cache.layers
+    assert not isinstance(first, RecurrentStateLayer) and first.keys.shape[-2] == ids.shape[1] + GREEDY["max_new_tokens"] - 1
+    assert isinstance(second, RecurrentStateLayer) and second.get_seq_length() == first.get_seq_length()
+
+
+def test_assisted_generation_is_refused_for_recurrent_states():
+    model = tiny_model("llama", "linear_elu")
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(ids, attention_mask=mask, assistant_model=tiny_model("llama", "linear_elu"), max_new_tokens=3)

@@ -1,0 +1,170 @@
+"""The softmax_rnn models against the unmodified transformers models, and their save/load."""
+
+import pytest
+import torch
+from .helpers import VOCAB, left_padded_batch, perturb_rnn_params, tiny_model, tiny_source
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+
+from hf_softmax_rnn import (
+    AttentionSpec,
+    SoftmaxRNNGPT2Config,
+    SoftmaxRNNGPT2LMHeadModel,
+    SoftmaxRNNLlamaConfig,
+    SoftmaxRNNLlamaForCausalLM,
+)
+from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+from hf_softmax_rnn.models import SoftmaxRNNGPT2Model, SoftmaxRNNLlamaModel
+
+CLASSES = {
+    "llama": (SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM, SoftmaxRNNLlamaModel),
+    "gpt2": (SoftmaxRNNGPT2Config, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNGPT2Model),
+}
+FINITE_PRESETS = ["linear_elu", "linear_cosine", "linear_hedgehog", "softmax_taylor_2", "gated_ReLU_no_gate_L2norm_nodivS_noclamp"]
+WITH_PARAMS = ["gated_softmax", "softmax_divS_norm", "linear_cosine", "linear_hedgehog", "softmax_detach_denom_gate"]
+
+
+def built_from_config(family, spec, source):
+    """Our class built from a config (not via convert), holding the stock model's weights."""
+    config_class, model_class, _ = CLASSES[family]
+    fields = {k: v for k, v in source.config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    model = model_class(config_class(attention=spec, **fields)).eval()
+    incompatible = model.load_state_dict(source.state_dict(), strict=False)
+    assert not incompatible.unexpected_keys
+    assert all(".rnn_params." in key for key in incompatible.missing_keys)
+    return model
+
+
+def logits(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, use_cache=False, **kwargs).logits
+
+
+def test_softmax_spec_reproduces_the_stock_model_with_left_padding(family):
+    source = tiny_source(family)
+    model = built_from_config(family, "softmax", source)
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    torch.testing.assert_close(logits(model, ids, mask)[visible], logits(source, ids, mask)[visible], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["softmax", *WITH_PARAMS])
+def test_parameter_names_are_transformers_plus_rnn_params(family, preset):
+    source = tiny_source(family)
+    names = set(built_from_config(family, preset, source).state_dict())
+    stock = set(source.state_dict())
+    assert stock <= names
+    assert all(".rnn_params." in name for name in names - stock)
+
+
+# what each spec adds per layer, by the spec's meaning (SPEC s.2-3): name -> shape with H=4, Hkv=2 (llama), D=8
+EXPECTED_RNN_PARAMS = {
+    "softmax": {},
+    "gated_softmax": {"input_gate.weight": (2, 32), "input_gate.bias": (2,), "output_gate.weight": (4, 32),
+                      "output_gate.bias": (4,), "norm_weight": (4, 8), "norm_bias": (4, 8)},
+    "softmax_divS_norm": {"norm_weight": (4, 8)},
+    "linear_cosine": {"seqlen_power": (4,)},
+    "linear_hedgehog": {"hedgehog_q": (4, 8, 8), "hedgehog_k": (2, 8, 8)},
+    "softmax_detach_denom_gate": {"output_gate.weight": (4, 32), "output_gate.bias": (4,)},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED_RNN_PARAMS))
+def test_rnn_params_hold_exactly_what_the_spec_needs(preset):
+    model = built_from_config("llama", preset, tiny_source("llama"))
+    attention = model.model.layers[1].self_attn
+    shapes = {name: tuple(p.shape) for name, p in attention.rnn_params.named_parameters()}
+    assert shapes == EXPECTED_RNN_PARAMS[preset]
+
+
+@pytest.mark.parametrize("preset", ["softmax", *WITH_PARAMS, "softmax_taylor_2"])
+def test_save_and_auto_load_round_trip_bit_exactly(family, preset, tmp_path):
+    model = tiny_model(family, preset, layers=[1])
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    assert loaded.config.to_dict() == {**model.config.to_dict(), "_name_or_path": str(tmp_path)}
+    expected, actual = model.state_dict(), loaded.state_dict()
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
+    ids, mask = left_padded_batch()
+    assert torch.equal(logits(loaded, ids, mask), logits(model, ids, mask))
+
+
+def test_auto_model_builds_the_base_model(family):
+    config_class, _, base_class = CLASSES[family]
+    config = tiny_model(family, "linear_elu").config
+    assert type(AutoModel.from_config(config)) is base_class
+
+
+@pytest.mark.parametrize("preset", FINITE_PRESETS)
+def test_chunked_forward_matches_parallel(family, preset):
+    parallel = tiny_model(family, AttentionSpec.from_preset(preset, chunk_size=4))
+    config_class, model_class, _ = CLASSES[family]
+    chunked = model_class(config_class(**{**parallel.config.to_dict(), "attention_mode": "chunked"})).eval()
+    chunked.load_state_dict(parallel.state_dict())
+    assert [module.attention_mode for module in softmax_rnn_attention_modules(chunked)] == ["chunked", "chunked"]
+    ids, mask = left_padded_batch(lengths=(11, 7))
+    visible = mask.bool()
+    torch.testing.assert_close(logits(chunked, ids, mask)[visible], logits(parallel, ids, mask)[visible], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["gated_softmax", "linear_hedgehog", "linear_cosine", "softmax_divS_norm"])
+def test_loss_gradients_reach_every_rnn_param(family, preset):
+    model = tiny_model(family, preset).train()
+    ids, mask = left_padded_batch()
+    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if ".rnn_params." in name}
+    assert grads
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_requested_attention_implementation_is_ignored(family, tmp_path):
+    model = tiny_model(family, "linear_elu")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert loaded.config._attn_implementation == "softmax_rnn"
+    ids, mask = left_padded_batch()
+    assert torch.equal(logits(loaded, ids, mask), logits(model, ids, mask))
+
+
+@pytest.mark.parametrize("preset", ["linear_elu", "gated_softmax"])
+def test_step_by_step_forward_with_a_bare_dynamic_cache_matches_full_forward(family, preset):
+    model = tiny_model(family, preset)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    full = logits(model, ids, None)
+    cache = DynamicCache()
+    with torch.no_grad():
+        steps = [model(ids[:, :5], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 9
+
+
+def test_packed_sequences_without_a_mask_raise(family):
+    model = tiny_model(family, "linear_elu")
+    ids = torch.randint(1, VOCAB, (1, 8))
+    restarting = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="custom mask function"):
+        model(ids, position_ids=restarting, use_cache=False)
+
+
+def test_perturbation_helper_changes_the_output(family):
+    """Guards the generation tests: perturbed rnn_params must matter to the logits."""
+    model = tiny_model(family, "gated_softmax")
+    ids, mask = left_padded_batch()
+    before = logits(model, ids, mask)
+    perturb_rnn_params(model)
+    assert not torch.allclose(logits(model, ids, mask), before)
+
+
+def test_peft_lora_with_rnn_params_saved_trains_only_adapters_and_rnn_params(family):
+    model = tiny_model(family, "gated_softmax")
+    targets = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}[family]
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=targets, modules_to_save=["rnn_params"]))
+    trainable = [name for name, p in wrapped.named_parameters() if p.requires_grad]
+    assert all(".lora_" in name or ".rnn_params.modules_to_save." in name for name in trainable)
+    assert sum(".rnn_params.modules_to_save." in name for name in trainable) == 2 * 6  # 2 layers x (2 gates x 2 + norm w, b)
+    ids, mask = left_padded_batch()
+    wrapped(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    assert all(p.grad is not None for name, p in wrapped.named_parameters() if ".rnn_params.modules_to_save." in name)

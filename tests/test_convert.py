@@ -1,0 +1,120 @@
+"""convert(): pretrained Llama / GPT-2 -> softmax_rnn models with the same weights."""
+
+import pytest
+import torch
+from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
+from hf_softmax_rnn.layers import RNNParams, softmax_rnn_attention_modules
+
+SOURCES = {
+    "llama": lambda: LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=64, tie_word_embeddings=True, pad_token_id=0)
+    ),
+    "gpt2": lambda: GPT2LMHeadModel(
+        GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, n_positions=64, scale_attn_by_inverse_layer_idx=True,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ),
+}
+TARGETS = {"llama": SoftmaxRNNLlamaForCausalLM, "gpt2": SoftmaxRNNGPT2LMHeadModel}
+
+
+@pytest.fixture(params=sorted(SOURCES))
+def family(request):
+    return request.param
+
+
+def batch():
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, use_cache=False).logits
+
+
+def test_softmax_conversion_reproduces_the_original_logits(family):
+    source = SOURCES[family]().eval()
+    converted = convert(source, "softmax")
+    assert type(converted) is TARGETS[family]
+    ids, mask = batch()
+    visible = mask.bool()
+    difference = (logits(converted, ids, mask) - logits(source, ids, mask))[visible].abs().max()
+    assert difference <= 1e-4
+
+
+def test_conversion_from_a_checkpoint_directory(family, tmp_path):
+    source = SOURCES[family]().eval()
+    source.save_pretrained(tmp_path)
+    converted = convert(tmp_path, "softmax")
+    ids, mask = batch()
+    visible = mask.bool()
+    torch.testing.assert_close(logits(converted, ids, mask)[visible], logits(source, ids, mask)[visible], atol=1e-4, rtol=0)
+
+
+def test_weights_are_copied_and_new_parameters_are_the_only_additions(family):
+    source = SOURCES[family]()
+    converted = convert(source, "gated_softmax")
+    original, new = source.state_dict(), converted.state_dict()
+    assert all(torch.equal(new[name], tensor) for name, tensor in original.items())
+    added = {name for name in new if name not in original}
+    assert added and added == {name for name in new if ".rnn_params." in name}
+    next(converted.parameters()).data.add_(1.0)
+    assert all(torch.equal(tensor, source.state_dict()[name]) for name, tensor in original.items())
+
+
+def test_config_generation_config_dtype_and_mode_carry_over(family):
+    source = SOURCES[family]().to(torch.bfloat16).train()
+    source.generation_config.max_new_tokens = 17
+    converted = convert(source, "linear_elu", attention_mode="chunked")
+    assert converted.dtype == torch.bfloat16 and converted.training
+    assert converted.generation_config.max_new_tokens == 17
+    assert converted.config.attention_mode == "chunked"
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "pad_token_id", "tie_word_embeddings")
+    assert {f: getattr(converted.config, f) for f in fields} == {f: getattr(source.config, f) for f in fields}
+    assert all(torch.equal(converted.state_dict()[name], tensor) for name, tensor in source.state_dict().items())
+
+
+def test_listed_layers_are_converted_and_the_rest_keep_softmax(family):
+    converted = convert(SOURCES[family](), "softmax_taylor_2", layers=[0, 2])
+    specs = [module.attention_spec for module in softmax_rnn_attention_modules(converted)]
+    assert specs == [AttentionSpec.from_preset(name) for name in ("softmax_taylor_2", "softmax", "softmax_taylor_2")]
+    assert converted.config.layer_types == ["softmax_rnn_recurrent", "full_attention", "softmax_rnn_recurrent"]
+
+
+def test_new_parameters_start_at_their_documented_initialisation(family):
+    converted = convert(SOURCES[family](), "gated_softmax")
+    params = [module for module in converted.modules() if isinstance(module, RNNParams)]
+    assert len(params) == 3
+    for module in params:
+        expected = RNNParams(AttentionSpec.from_preset("gated_softmax"), 4, module.input_gate.out_features, 8, 32)
+        assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), expected.state_dict().values()))
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "message"),
+    [
+        (lambda: BertLMHeadModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                            vocab_size=64, is_decoder=True)), TypeError, "convert\\(\\) got a BertLMHeadModel"),
+        (lambda: convert(SOURCES["llama"](), "linear_elu"), TypeError, "already a softmax_rnn model"),
+    ],
+    ids=["unsupported-class", "already-converted"],
+)
+def test_unsupported_models_raise(source, error, message):
+    with pytest.raises(error, match=message):
+        convert(source(), "linear_elu")
+
+
+@pytest.mark.parametrize("layers", [[3], [-1], [], ["0"]], ids=["out-of-range", "negative", "empty", "string"])
+def test_bad_layer_lists_raise(layers):
+    with pytest.raises(ValueError, match="expected a non-empty list of layer indices in 0..2"):
+        convert(SOURCES["llama"](), "linear_elu", layers=layers)
+
+
+def test_bad_spec_raises_before_building_anything():
+    with pytest.raises(ValueError, match="Unknown attention preset 'linear_eLU'"):
+        convert(SOURCES["gpt2"](), "linear_eLU")

@@ -1,0 +1,181 @@
+"""Remote code: checkpoints that load with trust_remote_code where this package is not installed."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_softmax_rnn import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
+from hf_softmax_rnn.hub import flat_names, needed_modules
+
+SOURCES = {
+    "llama": lambda: LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=64, pad_token_id=0)
+    ),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=1, eos_token_id=2)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _unregister_auto_class():
+    """`register_for_auto_class` sets a class attribute; undo it so other tests save plain checkpoints."""
+    yield
+    for model_class in (SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM):
+        model_class._auto_class = None
+
+
+# Runs in a fresh interpreter without site (so without the editable install of hf_softmax_rnn) and
+# outside the repository; only the installed libraries are on sys.path. One interpreter checks
+# every checkpoint given (importing torch and transformers is most of the cost).
+REMOTE_SCRIPT = """
+import importlib.util, json, sys
+import torch
+from transformers import AutoModelForCausalLM
+assert importlib.util.find_spec("hf_softmax_rnn") is None, sys.path
+ids = torch.tensor(json.loads(sys.argv[1]))
+results = {}
+for checkpoint in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    results[checkpoint] = {"class": type(model).__module__, "logits": logits.tolist(), "generated": generated.tolist()}
+print(json.dumps(results))
+"""
+
+
+def run_without_package(script: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": sysconfig.get_paths()["purelib"],
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(cwd / "modules"),
+        "HF_HOME": str(cwd / "hf_home"),
+    }
+    return subprocess.run([sys.executable, "-S", "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def saved_with_remote_code(family, directory):
+    """A converted hybrid (hedgehog layer 0, softmax layer 1) with perturbed rnn_params, saved with its code."""
+    model = convert(SOURCES[family]().eval(), "linear_hedgehog", layers=[0])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".rnn_params." in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.slow  # a second interpreter imports torch and transformers
+def test_saved_models_load_with_remote_code_where_the_package_is_absent(tmp_path):
+    models = {family: saved_with_remote_code(family, tmp_path / family) for family in sorted(SOURCES)}
+    for family, model in models.items():
+        checkpoint = tmp_path / family
+        config = json.loads((checkpoint / "config.json").read_text())
+        assert config["auto_map"] == {
+            "AutoConfig": f"configuration_softmax_rnn_{family}.{type(model.config).__name__}",
+            "AutoModelForCausalLM": f"modeling_softmax_rnn_{family}.{type(model).__name__}",
+        }
+        code = {path.name: path.read_text() for path in checkpoint.glob("*.py")}
+        assert {"ops_attention.py", "layers_attention.py", "attention_spec.py", "cache.py"} <= set(code)
+        nodes = [node for text in code.values() for node in ast.walk(ast.parse(text))]
+        imports = [node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))]
+        internal = [node for node in imports if isinstance(node, ast.ImportFrom) and node.level]
+        assert internal and all(node.level == 1 and f"{node.module}.py" in code for node in internal)
+        assert not any("hf_softmax_rnn" in ast.unparse(node) for node in imports)
+
+    ids = torch.randint(1, 64, (2, 7))
+    result = run_without_package(REMOTE_SCRIPT, json.dumps(ids.tolist()), *(str(tmp_path / f) for f in models), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    for family, model in models.items():
+        loaded = remote[str(tmp_path / family)]
+        assert loaded["class"].startswith("transformers_modules.")
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits
+        torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, atol=1e-5, rtol=0)
+        assert loaded["generated"] == model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
+
+
+def test_plain_save_writes_no_code(tmp_path):
+    convert(SOURCES["llama"](), "linear_elu").save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.py"))
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_save_with_push_to_hub_is_refused_for_remote_code(tmp_path):
+    model = convert(SOURCES["gpt2"](), "linear_elu")
+    model.register_for_auto_class("AutoModelForCausalLM")
+    with pytest.raises(ValueError, match="call model.push_to_hub"):
+        model.save_pretrained(tmp_path, push_to_hub=True)
+
+
+def test_flat_names_qualify_only_different_modules_with_colliding_basenames():
+    sources = {
+        "pkg.models.modeling_x": "x",
+        "pkg.ops.attention": "ops",
+        "pkg.layers.attention": "layers",
+        "pkg.a.spec": "same file",
+        "pkg.b.spec": "same file",
+    }
+    assert flat_names(sources) == {
+        "pkg.models.modeling_x": "modeling_x",
+        "pkg.ops.attention": "ops_attention",
+        "pkg.layers.attention": "layers_attention",
+        "pkg.a.spec": "spec",
+        "pkg.b.spec": "spec",
+    }
+
+
+def test_flat_names_that_still_collide_raise():
+    with pytest.raises(ValueError, match=r"\['pkg.a.b.c', 'pkg.a_b.c'\] would all be flattened to a_b_c.py"):
+        flat_names({"pkg.a_b.c": "one", "pkg.a.b.c": "two"})
+
+
+@pytest.fixture
+def fake_package(tmp_path, monkeypatch):
+    """Writes modules of a throwaway package `fakepkg` and puts it on sys.path."""
+    root = tmp_path / "fakepkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("VALUE = 1\n")
+
+    def write(name: str, source: str) -> str:
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+        return f"fakepkg.{name}"
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield write
+    for name in [name for name in sys.modules if name.startswith("fakepkg")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("from fakepkg import VALUE\n", "imports the package root 'fakepkg'"),
+        ("import fakepkg.helper\n", "use `from fakepkg.<module> import name`"),
+        ("from transformers import AutoConfig\nAutoConfig.register('x', object)\n", "registers with AutoConfig at import time"),
+    ],
+    ids=["package-root", "plain-import", "auto-registration"],
+)
+def test_modules_that_cannot_travel_raise(fake_package, source, message):
+    fake_package("helper", "X = 1\n")
+    entry = fake_package("modeling_fake", source)
+    with pytest.raises(ValueError, match=message):
+        needed_modules([entry])
+
+
+def test_needed_modules_follow_imports_transitively_including_inside_functions(fake_package):
+    fake_package("leaf", "X = 1\n")
+    fake_package("middle", "def f():\n    from fakepkg.leaf import X\n    return X\n")
+    entry = fake_package("modeling_fake", "import torch\nfrom .middle import f\n")
+    assert sorted(needed_modules([entry])) == ["fakepkg.leaf", "fakepkg.middle", "fakepkg.modeling_fake"]
