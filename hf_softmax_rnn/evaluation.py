@@ -1,0 +1,155 @@
+"""Perplexity of any causal LM over texts: sliding window with stride over one token stream.
+
+The texts are tokenised, joined (each followed by the EOS token when `add_eos`) into one
+stream, and cut into windows of `max_length` tokens that start every `stride` tokens. Each
+token of the stream except the first is scored exactly once, by the first window that
+contains it with at least one token of context, so it sees between `max_length - stride`
+and `max_length - 1` tokens of context (fewer near the start). Windows are batched; the
+last, shorter window is right-padded and masked. The model is called with
+`use_cache=False`, so this works for plain transformers models and for the SoftmaxRNN ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+#: Window length used when neither `max_length` nor the model's config gives one.
+DEFAULT_MAX_LENGTH = 1024
+_MAX_LOG = math.log(1.7e308)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens `[begin, end)` of the stream go in; targets `[score_from, end)` are scored."""
+
+    begin: int
+    end: int
+    score_from: int
+
+
+def sliding_windows(num_tokens: int, max_length: int, stride: int) -> list[Window]:
+    """The windows that score every token of a `num_tokens` stream once (token 0 has no context).
+
+    Window j covers `[j*stride, min(j*stride + max_length, num_tokens))` and scores the tokens
+    after the previous window's end; the last window reaches the end of the stream.
+    """
+    if num_tokens < 2:
+        raise ValueError(f"num_tokens={num_tokens} is too short to score; expected at least 2 tokens")
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length} is not allowed; expected an int >= 2")
+    if not 1 <= stride <= max_length - 1:
+        raise ValueError(
+            f"stride={stride} is not allowed for max_length={max_length}; expected 1 <= stride <= {max_length - 1} "
+            "(a larger stride would leave tokens with no context)"
+        )
+    windows, scored_until = [], 1
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + max_length, num_tokens)
+        windows.append(Window(begin, end, scored_until))
+        scored_until = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> list[int]:
+    """Token ids of `texts` joined into one stream, each text followed by EOS when `add_eos`."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, not a single string; wrap it as [text]")
+    if add_eos and tokenizer.eos_token_id is None:
+        raise ValueError("add_eos=True needs a tokenizer with an eos_token_id; pass add_eos=False")
+    suffix = [tokenizer.eos_token_id] if add_eos else []
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return [token for ids in encoded for token in [*ids, *suffix]]
+
+
+def _default_max_length(model) -> int:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(limit, DEFAULT_MAX_LENGTH) if limit else DEFAULT_MAX_LENGTH
+
+
+@torch.inference_mode()
+def stream_nll(
+    model,
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    max_length: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and number of scored tokens of one token stream.
+
+    Args:
+        model: a causal LM returning `.logits [B, L, V]`.
+        input_ids: the stream, `[N]`.
+        max_length: window length (context + 1); None = min(config.max_position_embeddings, 1024).
+        stride: start-to-start distance of windows; None = max_length // 2.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is not allowed; expected an int >= 1")
+    ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
+    max_length = _default_max_length(model) if max_length is None else max_length
+    stride = max(1, max_length // 2) if stride is None else stride
+    windows = sliding_windows(ids.numel(), max_length, stride)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total_nll, total_tokens = 0.0, 0
+    batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+    try:
+        for batch in tqdm(batches, desc="Perplexity", unit="batch", disable=not progress):
+            width = max(w.end - w.begin for w in batch)
+            inputs = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            for row, w in enumerate(batch):
+                n = w.end - w.begin
+                inputs[row, :n] = ids[w.begin : w.end]
+                mask[row, :n] = 1
+                labels[row, w.score_from - w.begin : n] = ids[w.score_from : w.end]
+            logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            targets = labels[:, 1:].to(device)
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).double(), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
+            total_nll += nll.item()
+            total_tokens += int((targets != -100).sum())
+    finally:
+        model.train(was_training)
+    return total_nll, total_tokens
+
+
+def perplexity(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    max_length: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 1,
+    add_eos: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of `model` on `texts` joined into one stream, with a sliding window.
+
+    Each token after the first is scored once with up to `max_length - 1` tokens of context
+    (see the module docstring). Returns {"perplexity", "mean_nll" (nats/token), "num_tokens"}.
+    """
+    ids = token_stream(tokenizer, texts, add_eos=add_eos)
+    total_nll, num_tokens = stream_nll(
+        model, ids, max_length=max_length, stride=stride, batch_size=batch_size, progress=progress
+    )
+    mean_nll = total_nll / num_tokens
+    if not math.isfinite(mean_nll):
+        logger.warning("Mean NLL is %s: the model produced non-finite logits", mean_nll)
+    ppl = math.exp(mean_nll) if mean_nll < _MAX_LOG else math.inf
+    return {"perplexity": ppl, "mean_nll": mean_nll, "num_tokens": num_tokens}

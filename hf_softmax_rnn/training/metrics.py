@@ -1,0 +1,106 @@
+"""Training metrics: one JSON line per record, TensorBoard scalars where installed, a final plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss_curves.png"
+TENSORBOARD_DIR = "runs"
+#: Evaluation points before any training (stages log under their own names).
+BEFORE_CONVERSION = "base"
+AFTER_CONVERSION = "converted"
+
+
+class MetricsLogger:
+    """Appends records `{"step": global step, "stage": name, ...numbers}` to `metrics.jsonl` and
+    mirrors the numbers to TensorBoard (when the `tensorboard` package is installed).
+
+    `resume_from_step` drops records past that step (written by a killed run after its last
+    checkpoint), so the log of a resumed run reads like the log of an uninterrupted one.
+    """
+
+    def __init__(self, output_dir: str | Path, *, resume_from_step: int | None = None) -> None:
+        self.path = Path(output_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from_step is None:
+            self.path.write_text("")
+        else:
+            self._truncate(resume_from_step)
+        self._tensorboard = None
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_from_step is None else resume_from_step + 1
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / TENSORBOARD_DIR), purge_step=purge)
+
+    def _truncate(self, step: int) -> None:
+        records = read_metrics(self.path) if self.path.exists() else []
+        kept = "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(kept)
+        os.replace(temporary, self.path)
+
+    def log(self, step: int, stage: str, **values: float) -> None:
+        record = {"step": step, "stage": stage, **values}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(f"{stage}/{name}", value, step)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a `metrics.jsonl` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curves(
+    records: list[dict],
+    path: str | Path,
+    *,
+    title: str = "",
+    references: tuple[str, ...] = (BEFORE_CONVERSION, AFTER_CONVERSION),
+) -> Path:
+    """One panel per stage: training loss per step, and held-out perplexity on a second axis
+    with the perplexities of the `references` points (records without a loss) as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(dict.fromkeys(r["stage"] for r in records if "loss" in r))
+    reference_values = {r["stage"]: r["perplexity"] for r in records if r["stage"] in references and "perplexity" in r}
+    fig, axes = plt.subplots(1, max(len(stages), 1), figsize=(6 * max(len(stages), 1), 4), squeeze=False)
+    for axis, stage in zip(axes[0], stages):
+        train = [r for r in records if r["stage"] == stage and "loss" in r]
+        axis.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
+        axis.set_xlabel("step")
+        axis.set_ylabel("training loss", color="tab:blue")
+        axis.set_title(stage)
+        evals = [r for r in records if r["stage"] == stage and "perplexity" in r and math.isfinite(r["perplexity"])]
+        twin = axis.twinx()
+        twin.plot([r["step"] for r in evals], [r["perplexity"] for r in evals], "o-", color="tab:red", label=f"{stage}")
+        for (name, value), style in zip(reference_values.items(), ("--", ":")):
+            twin.axhline(value, color="tab:gray", linestyle=style, label=name)
+        twin.set_yscale("log")
+        twin.set_ylabel("held-out perplexity (log scale)", color="tab:red")
+        twin.legend(loc="best", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,198 @@
+"""The two training stages of a converted model, and what each one trains.
+
+1. "transfer" (attention transfer): every converted attention layer also computes exact
+   softmax attention on the same q, k, v, and the loss is the mean over layers of the MSE
+   between the two outputs (optionally plus `transfer_lm_weight` x the LM cross-entropy).
+   Only the chosen submodules of the converted layers train (by default their `rnn_params`;
+   a spec without learned parameters trains the query/key projections instead).
+2. "finetune" (language modelling): LoRA adapters from PEFT on the attention projections,
+   with `rnn_params` as fully trained `modules_to_save`, or full fine-tuning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_softmax_rnn.layers import set_attention_transfer, transfer_losses
+from hf_softmax_rnn.layers.attention import softmax_rnn_attention_modules
+from hf_softmax_rnn.training.config import FinetuneConfig
+
+logger = logging.getLogger(__name__)
+
+RNN_PARAMS = "rnn_params"
+#: Default LoRA targets per model type (suffixes of module names, as PEFT matches them).
+LORA_TARGETS: dict[str, list[str]] = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "softmax_rnn_llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gpt2": ["attn.c_attn", "attn.c_proj"],
+    "softmax_rnn_gpt2": ["attn.c_attn", "attn.c_proj"],
+}
+#: Attention-transfer fallback when the converted layers have no learned parameters:
+#: the projections that make q and k, per model type.
+QUERY_KEY_PROJECTIONS: dict[str, list[str]] = {
+    "softmax_rnn_llama": ["q_proj", "k_proj"],
+    "softmax_rnn_gpt2": ["c_attn"],
+}
+#: Submodules of an attention layer that its pre-projection output (what attention transfer compares) depends on.
+FEED_ATTENTION_OUTPUT = frozenset({RNN_PARAMS, "q_proj", "k_proj", "v_proj", "c_attn"})
+#: Module types LoRA can adapt here (GPT-2's projections are transformers' Conv1D).
+_LORA_MODULE_TYPES = (nn.Linear, Conv1D)
+
+
+def _for_model_type(mapping: dict, model_type: str, what: str):
+    if model_type not in mapping:
+        raise ValueError(f"No default {what} for model type {model_type!r}; known types are {sorted(mapping)}")
+    return mapping[model_type]
+
+
+def lora_targets(model: nn.Module, targets: list[str] | None) -> list[str]:
+    """The LoRA target suffixes (the model type's default when None), each checked to match
+    at least one Linear/Conv1D module of `model`."""
+    targets = list(targets) if targets else _for_model_type(LORA_TARGETS, model.config.model_type, "LoRA targets")
+    adaptable = [name for name, module in model.named_modules() if isinstance(module, _LORA_MODULE_TYPES)]
+    for target in targets:
+        if not any(name == target or name.endswith(f".{target}") for name in adaptable):
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in adaptable})
+            raise ValueError(
+                f"LoRA target {target!r} matches no Linear/Conv1D module of {type(model).__name__}; "
+                f"module names end in {leaves} (a target matches a name or a dotted suffix of it)"
+            )
+    return targets
+
+
+def has_rnn_params(model: nn.Module) -> bool:
+    """Whether any attention layer has learned parameters of its own (gates, norms, maps)."""
+    return any(
+        next(module.rnn_params.parameters(), None) is not None for module in softmax_rnn_attention_modules(model)
+    )
+
+
+def transfer_modules(model: nn.Module, names: list[str] | None) -> list[str]:
+    """Submodules of each converted attention layer that attention transfer trains, checked.
+
+    None picks `rnn_params` when the layers have learned parameters, else the q/k projections."""
+    converted = [module for module in softmax_rnn_attention_modules(model) if module.is_converted]
+    if not converted:
+        raise ValueError(
+            "Attention transfer needs converted layers, but every attention layer is exact softmax; "
+            "choose a non-softmax --attention or set --transfer-steps 0"
+        )
+    if names is None:
+        names = (
+            [RNN_PARAMS]
+            if has_rnn_params(model)
+            else _for_model_type(QUERY_KEY_PROJECTIONS, model.config.model_type, "q/k projections")
+        )
+        logger.info("Attention transfer trains %s of %d converted layers", names, len(converted))
+    available = sorted(name for name, _ in converted[0].named_children())
+    for name in names:
+        if not hasattr(converted[0], name) or not isinstance(getattr(converted[0], name), nn.Module):
+            raise ValueError(
+                f"--transfer-modules {name!r} is not a submodule of the converted attention layers; they have {available}"
+            )
+    if not any(p.numel() for module in converted for name in names for p in getattr(module, name).parameters()):
+        raise ValueError(
+            f"--transfer-modules {names} hold no parameters in the converted layers ({converted[0].attention_spec.describe()}); "
+            f"choose from {available}"
+        )
+    return names
+
+
+def _freeze_all_but(model: nn.Module, trainable: list[nn.Module]) -> None:
+    model.requires_grad_(False)
+    for module in trainable:
+        module.requires_grad_(True)
+
+
+@dataclass
+class Stage:
+    """One training stage. `trains` says in words what it trains; `setup(model)` returns the
+    module to train (freezing or wrapping `model`); `loss(model, unwrapped, input_ids)` returns
+    {"loss": scalar, ...parts to log}; `teardown(unwrapped)` undoes what only this stage needs.
+    `may_leave_parameters_unused`: some trainable parameter may get no gradient from the loss
+    (DDP must then look for unused parameters every step)."""
+
+    name: str
+    steps: int
+    learning_rate: float
+    trains: str
+    setup: Callable[[nn.Module], nn.Module]
+    loss: Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]
+    teardown: Callable[[nn.Module], None] = lambda model: None
+    may_leave_parameters_unused: bool = False
+
+
+def _lm_loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"loss": model(input_ids=input_ids, labels=input_ids, use_cache=False).loss}
+
+
+def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
+    def setup(model: nn.Module) -> nn.Module:
+        converted = [m for m in softmax_rnn_attention_modules(model) if m.is_converted]
+        _freeze_all_but(model, [getattr(m, name) for m in converted for name in modules])
+        set_attention_transfer(model, True)
+        return model
+
+    def loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        weight = config.transfer_lm_weight
+        output = model(input_ids=input_ids, labels=input_ids if weight else None, use_cache=False)
+        mse = torch.stack(transfer_losses(unwrapped)).mean()
+        if not weight:
+            return {"loss": mse, "transfer_mse": mse}
+        return {"loss": mse + weight * output.loss, "transfer_mse": mse, "lm_loss": output.loss}
+
+    objective = "attention-transfer MSE" + (
+        f" + {config.transfer_lm_weight:g} x LM loss" if config.transfer_lm_weight else ""
+    )
+    trains = f"{', '.join(modules)} of the converted layers ({objective})"
+    return Stage(
+        "transfer",
+        config.transfer_steps,
+        config.transfer_lr,
+        trains,
+        setup,
+        loss,
+        teardown=lambda model: set_attention_transfer(model, False),
+        may_leave_parameters_unused=not config.transfer_lm_weight and not set(modules) <= FEED_ATTENTION_OUTPUT,
+    )
+
+
+def finetune_stage(config: FinetuneConfig, targets: list[str], *, with_rnn_params: bool) -> Stage:
+    def setup_lora(model: nn.Module) -> PeftModel:
+        model.requires_grad_(False)
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=targets,
+            modules_to_save=[RNN_PARAMS] if with_rnn_params else None,
+            fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, lora)
+
+    def setup_full(model: nn.Module) -> nn.Module:
+        return model.requires_grad_(True)
+
+    setups = {"lora": setup_lora, "full": setup_full}
+    lora = f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}" + (
+        ", rnn_params in full" if with_rnn_params else ""
+    )
+    trains = {"lora": lora, "full": "all parameters"}[config.finetune_method] + " (LM loss)"
+    return Stage("finetune", config.finetune_steps, config.lr, trains, setups[config.finetune_method], _lm_loss)
+
+
+def build_stages(config: FinetuneConfig, model: nn.Module, *, lora_target_names: list[str] | None) -> list[Stage]:
+    """The stages of this run in order (a stage with 0 steps is left out)."""
+    builders = {
+        "transfer": lambda: transfer_stage(config, transfer_modules(model, config.transfer_modules)),
+        "finetune": lambda: finetune_stage(config, lora_target_names or [], with_rnn_params=has_rnn_params(model)),
+    }
+    return [builders[name]() for name in config.stage_names]

@@ -1,0 +1,305 @@
+"""`finetune(config)`: convert a model, train its stages under Accelerate, save and publish it.
+
+`Finetuner(config)` does everything that can fail on bad input (settings, dataset, model,
+block size, LoRA targets, packing, conversion) before any training; `Finetuner.run()` then
+evaluates, trains the stages with checkpoints, and writes the outputs (see `outputs.py`).
+
+Held-out perplexity, everywhere in a run, is exp(mean next-token NLL) over the test split
+packed into `block_size`-token blocks (each block scored on its own, `block_size - 1`
+predictions per block), computed with the blocks shared out over the processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate.utils import set_seed
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.default_model import resolve_model
+from hf_softmax_rnn.training.checkpointing import (
+    TRAINER_STATE_FILE,
+    TrainerState,
+    checkpoint_dirs,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_incomplete,
+    save_checkpoint,
+)
+from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
+from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
+from hf_softmax_rnn.training.outputs import publish, save_outputs
+from hf_softmax_rnn.training.stages import Stage, build_stages, lora_targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FinetuneResult:
+    """What a run produced: the trained model (LoRA merged), its tokenizer, the held-out
+    metrics per point of the run ("base", "converted", then each stage) and the output folder."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    evaluations: dict[str, dict]
+    output_dir: Path
+
+
+@torch.no_grad()
+def heldout_metrics(
+    model: nn.Module, blocks: torch.Tensor, accelerator: Accelerator, *, batch_size: int, progress: bool = False
+) -> dict:
+    """{"eval_loss", "perplexity", "eval_tokens"} of `blocks` `[N, L]`, each block scored on its own.
+
+    Process r scores blocks r, r + P, ...; every process runs the same number of batches
+    (short ones padded with a block of weight 0), so a wrapped (DDP/FSDP) model stays in step.
+    """
+    was_training = model.training
+    model.eval()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    rows = torch.arange(rank, len(blocks), world)
+    per_process = math.ceil(len(blocks) / world)
+    weights = torch.cat([torch.ones(len(rows)), torch.zeros(per_process - len(rows))]).double()
+    rows = torch.cat([rows, rows.new_zeros(per_process - len(rows))])
+    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for start in tqdm(range(0, per_process, batch_size), desc="held-out", leave=False, disable=not progress):
+        ids = blocks[rows[start : start + batch_size]].to(accelerator.device)
+        weight = weights[start : start + batch_size].to(accelerator.device)
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(len(ids), -1)
+        totals += torch.stack([(nll.sum(1).double() * weight).sum(), weight.sum() * (ids.shape[1] - 1)])
+    totals = accelerator.reduce(totals, "sum")
+    model.train(was_training)
+    loss = (totals[0] / totals[1]).item()
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+
+
+class Finetuner:
+    """One fine-tuning run. The constructor loads and checks everything; `run()` trains."""
+
+    def __init__(self, config: FinetuneConfig) -> None:
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.metrics: MetricsLogger | None = None
+        self._ddp_kwargs = DistributedDataParallelKwargs()
+        self.accelerator = Accelerator(
+            cpu=config.cpu, mixed_precision=config.mixed_precision, kwargs_handlers=[self._ddp_kwargs]
+        )
+        self.resume_from = self._checkpoint_to_resume()
+        self.state = (
+            TrainerState.load(self.resume_from / TRAINER_STATE_FILE)
+            if self.resume_from
+            else TrainerState(config=config.to_dict())
+        )
+        if self.resume_from is not None:
+            conflicts = config.resume_conflicts(self.state.config)
+            if conflicts:
+                raise ValueError(f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}")
+
+        texts = load_corpus(
+            config.dataset,
+            config_name=config.dataset_config,
+            text_column=config.text_column,
+            test_fraction=config.test_fraction,
+            seed=config.seed,
+            streaming=config.streaming,
+        )
+        self.base_model, self.tokenizer = resolve_model(config.model)
+        self._check_block_size(self.base_model)
+        self.lora_targets = (
+            lora_targets(self.base_model, config.lora_targets)
+            if config.finetune_steps and config.finetune_method == "lora"
+            else None
+        )
+        self.converted = convert(self.base_model, config.attention_spec, layers=config.layers)
+        self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets)
+        with self.accelerator.main_process_first():
+            self.train_data = train_blocks(
+                texts["train"],
+                self.tokenizer,
+                config.block_size,
+                seed=config.seed,
+                shuffle_buffer=config.shuffle_buffer,
+            )
+            self.eval_ids = eval_blocks(texts["test"], self.tokenizer, config.block_size, config.max_eval_blocks)
+        self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
+        logger.info(
+            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out blocks",
+            self.global_batch,
+            config.block_size,
+            config.batch_size,
+            self.accelerator.num_processes,
+            config.grad_accum,
+            len(self.eval_ids),
+        )
+
+    # ------------------------------------------------------------------ checks
+    def _checkpoint_to_resume(self) -> Path | None:
+        existing = checkpoint_dirs(self.output_dir)
+        if existing and not self.config.resume:
+            raise ValueError(
+                f"Output directory {str(self.output_dir)!r} already holds checkpoints (latest {existing[-1].name}); "
+                "pass --resume to continue that run, or choose another --output-dir"
+            )
+        if self.config.resume and not existing:
+            logger.warning("--resume: no checkpoint in %s, starting from the beginning", self.output_dir)
+        if self.accelerator.is_main_process:
+            remove_incomplete(self.output_dir)
+        self.accelerator.wait_for_everyone()
+        return latest_checkpoint(self.output_dir) if self.config.resume else None
+
+    def _check_block_size(self, model: PreTrainedModel) -> None:
+        maximum = getattr(model.config, "max_position_embeddings", None)
+        if maximum is not None and self.config.block_size > maximum:
+            raise ValueError(
+                f"block_size={self.config.block_size} is larger than the model's maximum of {maximum} positions "
+                f"(max_position_embeddings of {self.config.model!r}); use --block-size <= {maximum}"
+            )
+
+    # ------------------------------------------------------------------ evaluation and logging
+    def _log(self, stage: str, **values: float) -> None:
+        if self.metrics is not None:
+            self.metrics.log(self.state.global_step, stage, **values)
+
+    def evaluate(self, model: nn.Module, point: str) -> dict:
+        """Held-out metrics of `model`, logged under `point` at the current global step."""
+        result = heldout_metrics(
+            model, self.eval_ids, self.accelerator, batch_size=self.config.eval_batch_size, progress=self._show_progress
+        )
+        self._log(point, **result)
+        logger.info("Held-out perplexity at %s (step %d): %.3f", point, self.state.global_step, result["perplexity"])
+        return result
+
+    @property
+    def _show_progress(self) -> bool:
+        return self.config.progress and self.accelerator.is_local_main_process
+
+    # ------------------------------------------------------------------ training
+    def run(self) -> FinetuneResult:
+        start = time.perf_counter()
+        resume_step = self.state.global_step if self.resume_from else None
+        self.metrics = (
+            MetricsLogger(self.output_dir, resume_from_step=resume_step) if self.accelerator.is_main_process else None
+        )
+        if BEFORE_CONVERSION not in self.state.evaluations:
+            self.state.evaluations[BEFORE_CONVERSION] = self.evaluate(
+                self.base_model.to(self.accelerator.device), BEFORE_CONVERSION
+            )
+        del self.base_model
+        model = self.converted.to(self.accelerator.device)
+        if AFTER_CONVERSION not in self.state.evaluations:
+            self.state.evaluations[AFTER_CONVERSION] = self.evaluate(model, AFTER_CONVERSION)
+        for index, stage in enumerate(self.stages):
+            if index >= self.state.stage_index:
+                model = self._train_stage(index, stage, model)
+        if self.metrics is not None:
+            self.metrics.close()
+        model = save_outputs(self, model, self.stages, seconds=time.perf_counter() - start)
+        publish(self)
+        return FinetuneResult(model, self.tokenizer, dict(self.state.evaluations), self.output_dir)
+
+    def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:
+        config, accelerator = self.config, self.accelerator
+        set_seed(config.seed + index)
+        trainable = stage.setup(model)
+        parameters = [p for p in trainable.parameters() if p.requires_grad]
+        count = sum(p.numel() for p in parameters)
+        logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")
+        groups = [
+            {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": config.weight_decay},
+            {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=stage.learning_rate)
+        scheduler = get_scheduler(
+            config.lr_scheduler,
+            optimizer,
+            num_warmup_steps=min(config.warmup_steps, stage.steps),
+            num_training_steps=stage.steps,
+        )
+        self._ddp_kwargs.find_unused_parameters = stage.may_leave_parameters_unused
+        prepared, optimizer = accelerator.prepare(trainable, optimizer)
+        if self.resume_from is not None and index == self.state.stage_index:
+            self.state = load_checkpoint(accelerator, self.resume_from, scheduler)
+            self.train_data.load_state_dict(self.state.data)
+        else:
+            self.state.stage_index, self.state.stage_step = index, 0
+        self.state.trainable_parameters[stage.name] = count
+        unwrapped = accelerator.unwrap_model(prepared)
+        progress = tqdm(
+            total=stage.steps, initial=self.state.stage_step, desc=stage.name, disable=not self._show_progress
+        )
+        for step in range(self.state.stage_step + 1, stage.steps + 1):
+            values = self._train_step(stage, prepared, unwrapped, optimizer, scheduler)
+            self.state.global_step += 1
+            self.state.stage_step = step
+            self._log(stage.name, **values)
+            if not math.isfinite(values["loss"]):
+                raise FloatingPointError(
+                    f"Stage {stage.name}: the loss is {values['loss']} at step {step}; lower the learning rate "
+                    f"({stage.learning_rate:g}) or --max-grad-norm and start a new run"
+                )
+            progress.update()
+            progress.set_postfix(loss=f"{values['loss']:.4f}")
+            last = step == stage.steps
+            if step % config.eval_every == 0 or last:
+                result = self.evaluate(prepared, stage.name)
+                progress.set_postfix(loss=f"{values['loss']:.4f}", ppl=f"{result['perplexity']:.2f}")
+                if last:
+                    self.state.evaluations[stage.name] = result
+            if step % config.save_every == 0 or last:
+                self.state.data = self.train_data.state_dict()
+                save_checkpoint(accelerator, self.output_dir, self.state, scheduler, keep=config.save_total_limit)
+        progress.close()
+        stage.teardown(unwrapped)
+        accelerator.free_memory()
+        return unwrapped
+
+    def _train_step(
+        self, stage: Stage, model: nn.Module, unwrapped: nn.Module, optimizer, scheduler
+    ) -> dict[str, float]:
+        """One optimizer step over this process's share of the next global batch; returns the
+        loss parts averaged over micro-batches and processes, the gradient norm and learning rate."""
+        config, accelerator = self.config, self.accelerator
+        micro_batches = split_global_batch(
+            self.train_data.next_blocks(self.global_batch),
+            grad_accum=config.grad_accum,
+            num_processes=accelerator.num_processes,
+            process_index=accelerator.process_index,
+        ).to(accelerator.device)
+        model.train()
+        totals: dict[str, torch.Tensor] = {}
+        for micro, input_ids in enumerate(micro_batches):
+            syncing = micro == len(micro_batches) - 1
+            with nullcontext() if syncing else accelerator.no_sync(model):
+                parts = stage.loss(model, unwrapped, input_ids)
+                accelerator.backward(parts["loss"] / config.grad_accum)
+            for name, value in parts.items():
+                totals[name] = totals.get(name, 0.0) + value.detach().float() / config.grad_accum
+        values = {}
+        if config.max_grad_norm:
+            values["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        values["lr"] = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        names = sorted(totals)
+        means = accelerator.reduce(torch.stack([totals[name] for name in names]), "mean")
+        return {**dict(zip(names, means.tolist())), **values}
+
+
+def finetune(config: FinetuneConfig) -> FinetuneResult:
+    """Run `config` end to end (see `Finetuner`)."""
+    return Finetuner(config).run()

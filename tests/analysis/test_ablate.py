@@ -1,0 +1,66 @@
+import argparse
+import csv
+import math
+
+import pytest
+import torch
+
+from hf_softmax_rnn.analysis import ablate
+from hf_softmax_rnn.analysis.ablate import AblationRun, held_out_loss, summary_table, variant_spec
+from hf_softmax_rnn.analysis.small_models import small_llama
+from hf_softmax_rnn.cli import main
+
+QUICK_VARIANTS = ["softmax", "l2", "exp_no_norm_no_clamp", "linear_elu", "taylor_2_l2"]
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end(tmp_path, capsys):
+    assert main(["ablate", "--quick", "--no-progress", "--output-dir", str(tmp_path), "--variants", *QUICK_VARIANTS]) == 0
+    table = (tmp_path / "ablation.md").read_text().splitlines()
+    assert [row.split(" | ")[1] for row in table[2:]] == QUICK_VARIANTS
+    with (tmp_path / "ablation.csv").open() as handle:
+        runs = list(csv.DictReader(handle))
+    assert [r["variant"] for r in runs] == QUICK_VARIANTS
+    for run in runs:  # an untrained byte model sits near log(257) nats; a diverged run is marked, never a crash
+        assert run["diverged_at"] != "" or 3.0 < float(run["final_loss"]) < 7.0
+    with (tmp_path / "curves.csv").open() as handle:
+        steps = {(r["variant"], int(r["step"])) for r in csv.DictReader(handle)}
+    assert {step for _, step in steps} == {2, 4}
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
+    assert "ablation.md" in capsys.readouterr().out
+
+
+def test_every_variant_builds_a_model_with_its_spec():
+    for name in ablate.VARIANTS:
+        model = small_llama(variant_spec(name), vocab_size=32, hidden_size=16, num_heads=2, max_position_embeddings=8)
+        assert model.config.attention_spec(0) == variant_spec(name)
+
+
+def test_held_out_loss_matches_transformers_loss():
+    model = small_llama("softmax", vocab_size=50, hidden_size=16, num_heads=2, max_position_embeddings=12)
+    blocks = torch.randint(50, (5, 12))
+    expected = model(input_ids=blocks, labels=blocks, use_cache=False).loss.item()
+    assert held_out_loss(model, blocks, batch_size=2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_summary_reports_spread_and_divergence():
+    runs = [
+        AblationRun("softmax", "softmax", 0, 2.0, None, 1.0),
+        AblationRun("softmax", "softmax", 1, 2.2, None, 1.0),
+        AblationRun("exp_no_norm_no_clamp", "exp without norm or clamp", 0, math.nan, 17, 1.0),
+    ]
+    rows = summary_table(runs).splitlines()[2:]
+    assert "| 2.100 ± 0.141 |" in rows[0] and f"| {2.1 / math.log(2):.3f} |" in rows[0]
+    assert "| diverged |" in rows[1] and "seed 0 at step 17" in rows[1]
+
+
+def test_size_flags_override_the_quick_budget():
+    parser = argparse.ArgumentParser()
+    ablate.add_arguments(parser)
+    budget = ablate.budget_from_args(parser.parse_args(["--quick", "--steps", "7", "--seeds", "3", "4"]))
+    assert (budget.steps, budget.seeds, budget.d_model) == (7, (3, 4), ablate.QUICK_BUDGET.d_model)
+
+
+def test_unknown_variant_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'softmax_typo'.*taylor_4_l2"):
+        variant_spec("softmax_typo")

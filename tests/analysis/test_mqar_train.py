@@ -1,0 +1,54 @@
+import csv
+
+import pytest
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.analysis.mqar_train import mqar_accuracy, state_floats
+from hf_softmax_rnn.analysis.small_models import small_llama
+from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.data.mqar import IGNORE_INDEX, MQARConfig, generate_mqar
+
+
+def test_accuracy_matches_argmax_of_full_logits():
+    task = MQARConfig(vocab_size=32, seq_len=16, num_kv_pairs=2)
+    data = generate_mqar(10, task, seed=0).with_format("torch")[:]
+    model = small_llama("softmax", vocab_size=32, hidden_size=16, num_heads=2, max_position_embeddings=16)
+    predicted = model(input_ids=data["input_ids"], use_cache=False).logits.argmax(-1)  # predicts token t+1
+    labels = data["labels"][:, 1:]
+    scored = labels != IGNORE_INDEX
+    expected = (predicted[:, :-1][scored] == labels[scored]).float().mean().item()
+    assert mqar_accuracy(model, data["input_ids"], data["labels"], batch_size=3) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("attention", ["linear_elu", "softmax_taylor_2"], ids=str)
+def test_state_of_finite_state_specs_is_the_recurrent_state(attention):
+    spec = AttentionSpec.coerce(attention)
+    floats = state_floats(spec, d_model=64, num_heads=2, num_layers=2, seq_len=64)
+    assert floats == 2 * 2 * spec.state_bytes(head_dim=32) // 4
+
+
+def test_state_of_exact_exp_is_the_kv_cache():
+    assert state_floats(AttentionSpec(), d_model=64, num_heads=2, num_layers=2, seq_len=64) == 2 * 2 * 64 * 64
+
+
+def test_cli_writes_table_csv_and_plots(tmp_path):
+    argv = [
+        "mqar", "--attention", "softmax", "linear_elu", "--num-kv-pairs", "2", "4", "--seq-len", "16", "--vocab-size", "32",
+        "--d-model", "16", "--steps", "2", "--num-train", "64", "--num-test", "16", "--batch-size", "8",
+        "--warmup-steps", "1", "--no-progress", "--output-dir", str(tmp_path),
+    ]
+    assert main(argv) == 0
+    with (tmp_path / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["attention"], r["num_kv_pairs"]) for r in rows] == [
+        ("softmax", "2"), ("linear_elu", "2"), ("softmax", "4"), ("linear_elu", "4")
+    ]
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 and r["steps"] == "2" for r in rows)
+    assert len((tmp_path / "results.md").read_text().splitlines()) == 2 + 4
+    for name in ("accuracy_vs_kv_pairs.png", "accuracy_vs_state_size.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_cli_rejects_unknown_attention(tmp_path):
+    with pytest.raises(ValueError, match="Unknown attention preset 'softmaxx'"):
+        main(["mqar", "--attention", "softmaxx", "--output-dir", str(tmp_path)])

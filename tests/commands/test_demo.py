@@ -1,0 +1,107 @@
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.commands.demo import chat_sample
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.evaluation import stream_nll, token_stream
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
+CONTEXTS = (8, 16)
+NEW_TOKENS = 4
+EVAL_TOKENS, EVAL_WINDOW = 64, 16
+PREFILL_CHUNK = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama (hidden 32, 2 KV heads) with a 300-token BPE trained on the corpus and a chat template."""
+    texts = load_corpus()["train"]["text"][:5]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run_demo(model_dir, *extra):
+    return main(
+        ["--log-level", "WARNING", "demo", "--model", str(model_dir), "--contexts", *map(str, CONTEXTS),
+         "--max-eval-tokens", str(EVAL_TOKENS), "--eval-window", str(EVAL_WINDOW), "--prefill-chunk", str(PREFILL_CHUNK), "--new-tokens", str(NEW_TOKENS), *extra]
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_results(tiny_llama_dir, tmp_path_factory):
+    output = tmp_path_factory.mktemp("demo")
+    assert run_demo(tiny_llama_dir, "--presets", "softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "linear_elu", "--output", str(output)) == 0
+    return output, {r["preset"]: r for r in json.loads((output / "demo.json").read_text())["results"]}
+
+
+def test_demo_writes_the_table(demo_results, capsys):
+    output, results = demo_results
+    table = (output / "demo.md").read_text()
+    for preset in results:
+        assert f"`{preset}`" in table
+    assert "hf-softmax-rnn finetune" in table
+    assert all(isinstance(r["sample"], str) for r in results.values())
+
+
+def test_softmax_row_is_the_unconverted_model(demo_results, tiny_llama_dir):
+    """Perplexity and sample of the 'softmax' conversion equal those of the plain Llama."""
+    _, results = demo_results
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_llama_dir)
+    ids = token_stream(tokenizer, load_corpus()["test"]["text"])[:EVAL_TOKENS]
+    nll, count = stream_nll(reference, ids, max_length=EVAL_WINDOW, stride=EVAL_WINDOW - 1, progress=False)
+    assert results["softmax"]["eval_tokens"] == count
+    assert results["softmax"]["perplexity"] == pytest.approx(torch.tensor(nll / count).exp().item(), rel=1e-5)
+    assert results["softmax"]["sample"] == chat_sample(reference, tokenizer, "What is a Python dictionary? Answer in one sentence.", NEW_TOKENS)
+
+
+@pytest.mark.parametrize("preset", ["softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"], ids=["softmax", "l2-exact-exp"])
+def test_kv_cache_bytes_grow_with_context(demo_results, tiny_llama_dir, preset):
+    """A KV cache holds keys and values of every position fed to the model (context + new tokens - 1)."""
+    _, results = demo_results
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    for timing in results[preset]["timings"]:
+        positions = timing["context"] + NEW_TOKENS - 1
+        expected = config.num_hidden_layers * 2 * config.num_key_value_heads * positions * head_dim * 4
+        assert timing["cache_bytes"] == expected
+    assert results[preset]["decode_state"].startswith("KV cache")
+
+
+def test_recurrent_state_bytes_do_not_grow(demo_results):
+    _, results = demo_results
+    sizes = {t["context"]: t["cache_bytes"] for t in results["linear_elu"]["timings"]}
+    assert sizes[CONTEXTS[0]] == sizes[CONTEXTS[1]] > 0
+    assert results["linear_elu"]["decode_state"] == "recurrent state"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--presets", "no_such_preset"], "no_such_preset"),
+        (["--new-tokens", "0"], "--new-tokens=0"),
+        (["--contexts", "62"], "max_position_embeddings=64"),
+    ],
+    ids=["unknown-preset", "no-new-tokens", "context-too-long"],
+)
+def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message):
+    with pytest.raises(ValueError, match=message):
+        run_demo(tiny_llama_dir, *extra)

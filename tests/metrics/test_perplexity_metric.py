@@ -1,0 +1,68 @@
+import math
+
+import evaluate
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_softmax_rnn.metrics
+from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
+from hf_softmax_rnn.evaluation import perplexity
+
+TEXTS = ["Softmax attention is a sum of RNNs.", "The denominator is a norm.", "Keys and values."]
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )
+    model, tokenizer = LlamaForCausalLM(config).eval(), byte_tokenizer()
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def metric():
+    return evaluate.load(hf_softmax_rnn.metrics.path("perplexity"))
+
+
+def test_corpus_perplexity_matches_evaluation_function(metric, saved_model):
+    path, model, tokenizer = saved_model
+    result = metric.compute(predictions=TEXTS, model_id=path, max_length=16, stride=5, batch_size=2, device="cpu")
+    expected = perplexity(model, tokenizer, TEXTS, max_length=16, stride=5, progress=False)
+    assert result["num_tokens"] == expected["num_tokens"]
+    assert result["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-5)
+
+
+def test_per_text_perplexity_matches_transformers_loss(metric, saved_model):
+    path, model, tokenizer = saved_model
+    result = metric.compute(predictions=TEXTS, model_id=path, per_text=True, device="cpu")
+    expected = []
+    for text in TEXTS:
+        ids = torch.tensor([tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
+        expected.append(math.exp(model(input_ids=ids, labels=ids, use_cache=False).loss.item()))
+    assert result["perplexities"] == pytest.approx(expected, rel=1e-5)
+    assert result["mean_perplexity"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(predictions=["fine", ""]), ValueError, r"\[1\] are empty"),
+        (dict(dtype="float8"), ValueError, "dtype='float8'"),
+    ],
+    ids=["empty-text", "bad-dtype"],
+)
+def test_bad_input_is_rejected(metric, saved_model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        metric.compute(**{"predictions": TEXTS, "model_id": saved_model[0], **kwargs})
+
+
+def test_unknown_metric_name_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match="mqar_accuracy"):
+        hf_softmax_rnn.metrics.path("bleu")

@@ -1,0 +1,156 @@
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_softmax_rnn.default_model import (
+    DEFAULT_MODEL_NAME,
+    default_model,
+    default_tokenizer,
+    ensure_default_model_cache,
+    resolve_model,
+)
+from hf_softmax_rnn.evaluation import perplexity
+
+# The module, not the function of the same name that the package may export.
+default_model_module = importlib.import_module("hf_softmax_rnn.default_model")
+
+ENGLISH_PARAGRAPH = (
+    "The village sat at the foot of a low green hill, and every morning the baker opened his shop before "
+    "the sun came up. People walked past on their way to work, and many of them stopped to buy a loaf of "
+    "bread or a small cake. In the afternoon the children came home from school and played in the square "
+    "until their parents called them in for dinner. It was a quiet place, and most of the people who lived "
+    "there had known each other for their whole lives."
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A 300-token byte-level BPE trained on a few sentences."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([ENGLISH_PARAGRAPH] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path) -> Path:
+    path = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_resolve_model_loads_a_local_directory(tiny_llama_dir):
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    model, tokenizer = resolve_model(str(tiny_llama_dir))
+    ids = tokenizer(ENGLISH_PARAGRAPH[:80], return_tensors="pt").input_ids
+    assert ids.shape[1] > 5
+    assert tokenizer.decode(ids[0]) == ENGLISH_PARAGRAPH[:80]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_resolve_model_dtype(tiny_llama_dir):
+    model, _ = resolve_model(tiny_llama_dir, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["/no/such/model/dir", "./no-such-model", "~/no-such-model-dir", "no/such/model"],
+    ids=["absolute", "dot-relative", "home-relative", "three-parts"],
+)
+def test_resolve_model_missing_path_raises(name):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        resolve_model(name)
+
+
+def test_resolve_model_rejects_a_file(tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(tiny_llama_dir / "config.json")
+
+
+def test_resolve_model_unknown_hub_id_offline_raises():
+    with pytest.raises(OSError, match="no-such-org-hf-softmax-rnn/no-such-model"):
+        resolve_model("no-such-org-hf-softmax-rnn/no-such-model")
+
+
+class _FailingSave(Exception):
+    pass
+
+
+def test_cache_is_written_atomically(tmp_path, monkeypatch):
+    """A conversion killed half-way leaves no cache; a complete one is loaded back unchanged."""
+    model, tokenizer = tiny_llama(), tiny_tokenizer()
+    cache_dir = tmp_path / "hf_softmax_rnn" / DEFAULT_MODEL_NAME
+    monkeypatch.setattr(default_model_module, "gguf_path", lambda: tmp_path / "unused.gguf")
+
+    def save_then_fail(path, **kwargs):
+        LlamaForCausalLM.save_pretrained(model, path, **kwargs)
+        raise _FailingSave
+
+    monkeypatch.setattr(model, "save_pretrained", save_then_fail)
+    monkeypatch.setattr(default_model_module, "load_gguf_dequantized", lambda path: (model, tokenizer))
+    with pytest.raises(_FailingSave):
+        ensure_default_model_cache(cache_dir)
+    assert list(cache_dir.parent.iterdir()) == []
+
+    monkeypatch.undo()
+    monkeypatch.setattr(default_model_module, "gguf_path", lambda: tmp_path / "unused.gguf")
+    monkeypatch.setattr(default_model_module, "load_gguf_dequantized", lambda path: (model, tokenizer))
+    assert ensure_default_model_cache(cache_dir) == cache_dir
+    assert sorted(p.name for p in cache_dir.parent.iterdir()) == [DEFAULT_MODEL_NAME]
+
+    def no_conversion(path):
+        raise AssertionError("the second load must come from the cache")
+
+    monkeypatch.setattr(default_model_module, "load_gguf_dequantized", no_conversion)
+    loaded = default_model(cache_dir=cache_dir)
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert default_tokenizer(cache_dir=cache_dir)(ENGLISH_PARAGRAPH).input_ids == tokenizer(ENGLISH_PARAGRAPH).input_ids
+
+
+@pytest.mark.slow
+def test_default_model_loads_from_cache_and_predicts_english(monkeypatch):
+    ensure_default_model_cache()  # builds the cache on a fresh machine
+
+    def no_conversion(path):
+        raise AssertionError("the load must come from the cache")
+
+    monkeypatch.setattr(default_model_module, "load_gguf_dequantized", no_conversion)
+    model, tokenizer = resolve_model("default")
+    monkeypatch.undo()
+
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
+    assert (config.num_key_value_heads, config.vocab_size) == (3, 49152)
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tokenizer.chat_template
+
+    result = perplexity(model, tokenizer, [ENGLISH_PARAGRAPH], progress=False)
+    assert 1 < result["perplexity"] < 60

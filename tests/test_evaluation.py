@@ -1,0 +1,115 @@
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_softmax_rnn import SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
+from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
+from hf_softmax_rnn.evaluation import perplexity, sliding_windows, stream_nll, token_stream
+
+TEXTS = ["The cat sat on the mat.", "Attention is a sum of RNNs", "ok"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+LLAMA_KWARGS = dict(
+    vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128,
+)
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_KWARGS)),
+    "softmax_rnn-linear_elu": lambda: SoftmaxRNNLlamaForCausalLM(SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA_KWARGS)),
+    "softmax_rnn-l2": lambda: SoftmaxRNNLlamaForCausalLM(
+        SoftmaxRNNLlamaConfig(attention="gated_softmax_no_gate_L2norm_nodivS_noclamp", **LLAMA_KWARGS)
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=MODELS.values(), ids=MODELS.keys())
+def model(request):
+    torch.manual_seed(0)
+    return request.param().double().eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return MODELS["llama"]().double().eval()
+
+
+def context_start(i: int, max_length: int, stride: int) -> int:
+    """First context token of target i: the earliest window start j*stride with j*stride + max_length > i."""
+    return stride * max(0, math.ceil((i - max_length + 1) / stride))
+
+
+def direct_nll(model, ids: list[int], max_length: int, stride: int) -> float:
+    """Score each token alone, with exactly the context the windowing promises."""
+    total = 0.0
+    for i in range(1, len(ids)):
+        context = torch.tensor([ids[context_start(i, max_length, stride) : i]])
+        logits = model(input_ids=context, use_cache=False).logits[0, -1]
+        total -= torch.log_softmax(logits, -1)[ids[i]].item()
+    return total
+
+
+@pytest.mark.parametrize(
+    "max_length,stride,batch_size",
+    [(8, 1, 1), (8, 3, 2), (8, 7, 4), (9, 4, 3), (128, 64, 1)],
+    ids=["stride1", "stride3-batch2", "stride7-batch4", "odd-length-batch3", "one-window"],
+)
+def test_perplexity_matches_per_token_scoring(model, tokenizer, max_length, stride, batch_size):
+    ids = token_stream(tokenizer, TEXTS)
+    result = perplexity(model, tokenizer, TEXTS, max_length=max_length, stride=stride, batch_size=batch_size, progress=False)
+    expected = direct_nll(model, ids, max_length, stride)
+    assert result["num_tokens"] == len(ids) - 1
+    assert result["mean_nll"] == pytest.approx(expected / (len(ids) - 1), rel=1e-9)
+    assert result["perplexity"] == pytest.approx(math.exp(expected / (len(ids) - 1)), rel=1e-9)
+
+
+def test_one_window_equals_transformers_loss(llama, tokenizer):
+    model = llama
+    ids = token_stream(tokenizer, TEXTS)
+    reference = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids]), use_cache=False).loss.item()
+    result = perplexity(model, tokenizer, TEXTS, max_length=len(ids), stride=1, progress=False)
+    assert result["mean_nll"] == pytest.approx(reference, rel=1e-6)  # transformers computes the loss in float32
+
+
+def test_token_stream_joins_texts_with_eos(tokenizer):
+    ids = token_stream(tokenizer, ["ab", "c"])
+    eos = tokenizer.eos_token_id
+    assert ids == [*tokenizer("ab")["input_ids"], eos, *tokenizer("c")["input_ids"], eos]
+    assert token_stream(tokenizer, ["ab", "c"], add_eos=False) == [*tokenizer("abc")["input_ids"]]
+
+
+@pytest.mark.parametrize("num_tokens,max_length,stride", [(50, 8, 3), (50, 8, 7), (7, 8, 1), (2, 2, 1)], ids=str)
+def test_sliding_windows_score_every_token_once(num_tokens, max_length, stride):
+    windows = sliding_windows(num_tokens, max_length, stride)
+    scored = [i for w in windows for i in range(w.score_from, w.end)]
+    assert scored == list(range(1, num_tokens))
+    assert all(w.end - w.begin <= max_length and w.score_from > w.begin for w in windows)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_length=8, stride=8), "stride=8"),
+        (dict(max_length=8, stride=0), "stride=0"),
+        (dict(max_length=1, stride=1), "max_length=1"),
+        (dict(batch_size=0), "batch_size=0"),
+    ],
+    ids=["stride-too-large", "stride-zero", "max-length-one", "batch-zero"],
+)
+def test_bad_arguments_are_rejected(llama, tokenizer, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perplexity(llama, tokenizer, TEXTS, progress=False, **kwargs)
+
+
+def test_single_string_and_too_short_stream_are_rejected(llama, tokenizer):
+    with pytest.raises(TypeError, match="list of strings"):
+        perplexity(llama, tokenizer, "one text", progress=False)
+    with pytest.raises(ValueError, match="num_tokens=1"):
+        stream_nll(llama, [5], progress=False)

@@ -1,0 +1,130 @@
+"""End-to-end fine-tuning of tiny random Llama and GPT-2 checkpoints."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_softmax_rnn import AttentionSpec, convert
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.data import eval_blocks
+from hf_softmax_rnn.training.metrics import read_metrics
+from tests.training.helpers import VOCAB_SIZE, tiny_config, weights
+
+END_TO_END = {
+    "llama-l2norm-lora": ("llama", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "lora"),
+    "llama-gated-full": ("llama", "gated_softmax", "full"),
+    "gpt2-elu-lora": ("gpt2", "linear_elu", "lora"),
+    "gpt2-divSnorm-full": ("gpt2", "softmax_divS_norm", "full"),
+}
+
+
+def direct_perplexity(model, model_dir: str, block_size: int, max_blocks: int) -> float:
+    """exp(mean over held-out blocks of the model's own `labels` loss): each block has the same
+    number of predictions, so the mean of block means is the mean over tokens."""
+    blocks = eval_blocks(load_corpus()["test"], AutoTokenizer.from_pretrained(model_dir), block_size, max_blocks)
+    with torch.no_grad():
+        losses = [model(input_ids=block[None], labels=block[None]).loss for block in blocks]
+    return math.exp(torch.stack(losses).mean().item())
+
+
+@pytest.mark.parametrize("family,attention,method", END_TO_END.values(), ids=END_TO_END.keys())
+def test_finetune_end_to_end(tiny_models, tmp_path, family, attention, method):
+    out = tmp_path / "out"
+    config = tiny_config(tiny_models[family], out, attention=attention, finetune_method=method)
+    result = finetune(config)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.config.attention_spec(0) == AttentionSpec.from_preset(attention)
+    ids = torch.randint(0, VOCAB_SIZE, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, result.model.eval()(ids).logits)
+
+    assert list(result.evaluations) == ["base", "converted", "transfer", "finetune"]
+    expected = direct_perplexity(reloaded, tiny_models[family], config.block_size, config.max_eval_blocks)
+    assert result.evaluations["finetune"]["perplexity"] == pytest.approx(expected, rel=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models[family])
+    expected_base = direct_perplexity(base, tiny_models[family], config.block_size, config.max_eval_blocks)
+    assert result.evaluations["base"]["perplexity"] == pytest.approx(expected_base, rel=1e-5)
+
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
+    assert [(r["stage"], r["step"]) for r in records if "perplexity" in r] == [
+        ("base", 0),
+        ("converted", 0),
+        ("transfer", 2),
+        ("transfer", 3),
+        ("finetune", 5),
+        ("finetune", 6),
+    ]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+    assert any((out / "runs").iterdir()), "no TensorBoard events"
+    assert json.loads((out / "results.json").read_text())["evaluations"] == json.loads(json.dumps(result.evaluations))
+    assert (out / "adapter").is_dir() == (method == "lora")
+
+
+def test_lora_adapter_on_its_base_equals_the_merged_model(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    result = finetune(tiny_config(tiny_models["llama"], out, attention="gated_softmax"))
+    base = AutoModelForCausalLM.from_pretrained(out / "adapter_base")
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids = torch.randint(0, VOCAB_SIZE, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, result.model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_saved_model_loads_without_the_package(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    result = finetune(tiny_config(tiny_models["gpt2"], out, attention="linear_elu", transfer_steps=1, finetune_steps=1))
+    ids = torch.randint(0, VOCAB_SIZE, (1, 10))
+    ids_file, logits_file = str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")
+    torch.save(ids, ids_file)
+    script = (
+        "import sys; sys.modules['hf_softmax_rnn'] = None\n"
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()\n"
+        f"with torch.no_grad(): torch.save(model(torch.load({ids_file!r})).logits, {logits_file!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(logits_file), result.model.eval()(ids).logits)
+
+
+# (family, attention, stage settings, pattern of every parameter name the run may change)
+TRAINED_PARAMETERS = {
+    "transfer-rnn_params": ("llama", "softmax_divS_norm", dict(finetune_steps=0), r"\.rnn_params\."),
+    "transfer-qk-fallback": ("llama", "linear_elu", dict(finetune_steps=0), r"\.(q_proj|k_proj)\."),
+    "transfer-explicit-modules": (
+        "gpt2",
+        "gated_softmax",
+        dict(finetune_steps=0, transfer_modules=["c_attn"]),
+        r"\.attn\.c_attn\.",
+    ),
+    "lora-gpt2": ("gpt2", "gated_softmax", dict(transfer_steps=0), r"\.attn\.(c_attn|c_proj)\.|\.rnn_params\."),
+    "lora-llama-custom-targets": (
+        "llama",
+        "linear_elu",
+        dict(transfer_steps=0, lora_targets=["v_proj"]),
+        r"\.v_proj\.",
+    ),
+}
+
+
+@pytest.mark.parametrize("family,attention,stages,pattern", TRAINED_PARAMETERS.values(), ids=TRAINED_PARAMETERS.keys())
+def test_each_stage_trains_only_its_parameters(tiny_models, tmp_path, family, attention, stages, pattern):
+    finetune(tiny_config(tiny_models[family], tmp_path / "out", attention=attention, **stages))
+    converted = convert(AutoModelForCausalLM.from_pretrained(tiny_models[family]), attention).state_dict()
+    trained = weights(tmp_path / "out")
+    changed = {name for name, tensor in trained.items() if not torch.equal(tensor, converted[name])}
+    assert changed, "the run changed no parameter"
+    assert {name for name in changed if not re.search(pattern, name)} == set()

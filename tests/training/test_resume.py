@@ -1,0 +1,97 @@
+"""A run killed with SIGKILL and resumed ends exactly where an uninterrupted run ends."""
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
+from hf_softmax_rnn.training.metrics import read_metrics
+from tests.training.helpers import tiny_config, weights
+
+# Runs `finetune` and SIGKILLs itself at a chosen checkpoint: "after" the N-th one is complete,
+# or "before-rename" of the (N+1)-th, when its files are written but not yet renamed into place.
+KILLED_RUN = """
+import json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+from hf_softmax_rnn.training import FinetuneConfig, checkpointing, finetune, trainer
+
+settings, kill_at, moment = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+saves = 0
+save_checkpoint = checkpointing.save_checkpoint
+
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def save_and_maybe_die(*args, **kwargs):
+    global saves
+    saves += 1
+    if moment == "before-rename" and saves == kill_at + 1:
+        checkpointing.os.replace = die
+    path = save_checkpoint(*args, **kwargs)
+    if moment == "after" and saves == kill_at:
+        die()
+    return path
+
+trainer.save_checkpoint = save_and_maybe_die
+finetune(FinetuneConfig(**settings))
+"""
+
+# stage 1: 3 steps, checkpoints at global steps 2, 3; stage 2 (LoRA): 4 steps, checkpoints at 5, 7
+SETTINGS = dict(attention="gated_softmax", transfer_steps=3, finetune_steps=4, save_every=2, eval_every=2)
+KILLS = {
+    "after-2nd-checkpoint-stage-boundary": (2, "after", 3),
+    "after-3rd-checkpoint-inside-lora": (3, "after", 5),
+    "before-rename-of-3rd-checkpoint": (2, "before-rename", 3),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    finetune(tiny_config(tiny_models["llama"], out, **SETTINGS))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at,moment,resumed_step", KILLS.values(), ids=KILLS.keys())
+def test_killed_run_resumes_to_the_same_weights(tiny_models, uninterrupted, tmp_path, kill_at, moment, resumed_step):
+    config = tiny_config(tiny_models["llama"], tmp_path / "run", **SETTINGS)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, json.dumps(config.to_dict()), str(kill_at), moment],
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert checkpoint_dirs(tmp_path / "run")[-1].name == f"checkpoint-{resumed_step:07d}"
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+    result = finetune(dataclasses.replace(config, resume=True))
+
+    reference, resumed = weights(uninterrupted), weights(tmp_path / "run")
+    assert reference.keys() == resumed.keys()
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == read_metrics(uninterrupted / "metrics.jsonl")
+    assert result.evaluations == json.loads((uninterrupted / "results.json").read_text())["evaluations"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
+
+
+def test_resume_refuses_changed_settings(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
+    finetune(config)
+    with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
+        finetune(dataclasses.replace(config, resume=True, lr=0.5))
+
+
+def test_existing_checkpoints_need_resume(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
+    finetune(config)
+    with pytest.raises(ValueError, match="already holds checkpoints .* pass --resume"):
+        finetune(config)
