@@ -4,8 +4,10 @@ The default model is converted to each preset (softmax keeps a KV cache; linear_
 softmax_taylor_2 decode from a fixed-size recurrent state). Every model reads the same
 token stream: it is prefilled in chunks up to each context length in turn (chunked mode for
 the recurrent layers, attention to the growing KV cache for softmax), then decodes greedily
-one token at a time. The models are timed in interleaved rounds at each length, so a
-change in load from other processes affects all of them alike; latencies are medians.
+one token at a time. A snapshot of each cache is kept at each length, and all (length,
+model) cells are timed in interleaved rounds at the end, so a change in load from other
+processes falls on every cell alike; latencies are medians. Each cell's cache grows by the
+`rounds * steps` tokens it decodes (cache bytes are reported after them).
 
     python scripts/bench_generate.py                     # 128 ... 16384, writes docs/figures/bench_generate.*
     python scripts/bench_generate.py --contexts 128 1024 --steps 4 --rounds 1
@@ -22,6 +24,7 @@ import json
 import logging
 import statistics
 import time
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +38,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from hf_softmax_rnn.convert import convert  # noqa: E402
 from hf_softmax_rnn.data.corpus import load_corpus  # noqa: E402
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_model  # noqa: E402
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
 from hf_softmax_rnn.evaluation import token_stream  # noqa: E402
 from hf_softmax_rnn.layers.cache import cache_nbytes  # noqa: E402
 
@@ -77,6 +80,12 @@ class DecodeSession:
             self.next_token = logits[:, -1:].argmax(-1)
         return time.perf_counter() - start
 
+    def snapshot(self) -> "DecodeSession":
+        """An independent copy (own cache) that decodes on from this point; the model is shared."""
+        clone = DecodeSession.__new__(DecodeSession)
+        clone.__dict__.update(self.__dict__, cache=deepcopy(self.cache), next_token=self.next_token.clone())
+        return clone
+
     @torch.inference_mode()
     def decode(self, steps: int) -> list[float]:
         """Greedy decode `steps` tokens; returns the seconds of each step."""
@@ -91,23 +100,30 @@ class DecodeSession:
 
 
 def run_benchmark(sessions: list[DecodeSession], stream: torch.Tensor, args) -> list[Measurement]:
-    measurements = []
-    for context in tqdm(args.contexts, desc="Context lengths", unit="length"):
-        prefill = {s.preset: s.prefill_to(stream, context, args.prefill_chunk) for s in sessions}
-        latencies: dict[str, list[float]] = {s.preset: [] for s in sessions}
-        for _ in range(args.rounds):
-            for session in sessions:
-                latencies[session.preset] += session.decode(args.steps)
+    """Prefill every model to each context length and keep a snapshot there; then time all
+    (context, preset) snapshots in interleaved rounds, so that load from other processes
+    falls on every cell alike."""
+    snapshots: dict[tuple[int, str], DecodeSession] = {}
+    prefill_s: dict[tuple[int, str], float] = {}
+    for context in tqdm(args.contexts, desc="Prefilling", unit="length"):
         for session in sessions:
-            measurement = Measurement(
-                preset=session.preset,
-                context=context,
-                latency_ms=1000 * statistics.median(latencies[session.preset]),
-                cache_bytes=cache_nbytes(session.cache),
-                prefill_s=prefill[session.preset],
-            )
-            logger.info("%s", measurement)
-            measurements.append(measurement)
+            prefill_s[context, session.preset] = session.prefill_to(stream, context, args.prefill_chunk)
+            snapshots[context, session.preset] = session.snapshot()
+    latencies: dict[tuple[int, str], list[float]] = {key: [] for key in snapshots}
+    for _ in tqdm(range(args.rounds), desc="Timing rounds", unit="round"):
+        for key, snapshot in snapshots.items():
+            latencies[key] += snapshot.decode(args.steps)
+    measurements = []
+    for (context, preset), snapshot in snapshots.items():
+        measurement = Measurement(
+            preset=preset,
+            context=context,
+            latency_ms=1000 * statistics.median(latencies[context, preset]),
+            cache_bytes=cache_nbytes(snapshot.cache),
+            prefill_s=prefill_s[context, preset],
+        )
+        logger.info("%s", measurement)
+        measurements.append(measurement)
     return measurements
 
 
@@ -190,7 +206,8 @@ def main() -> None:
     stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
     measurements = run_benchmark(sessions, stream, args)
 
-    title = f"{args.model}: greedy decoding on {torch.get_num_threads()} CPU threads"
+    model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
+    title = f"{model_name}: greedy decoding, {torch.get_num_threads()} CPU thread(s)"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])
     print(report)
