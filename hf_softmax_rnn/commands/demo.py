@@ -111,7 +111,7 @@ def time_generation(model, context_ids: torch.Tensor, new_tokens: int, prefill_c
         new_tokens=new_tokens,
         prefill_s=first_at - prompt_at,
         tokens_per_s=decoded / (last_at - first_at) if decoded else math.nan,
-        cache_bytes=cache_nbytes(output.past_key_values),
+        cache_bytes=cache_nbytes(output.cache),
     )
 
 

@@ -21,7 +21,7 @@ from huggingface_hub import HfApi
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
 from hf_softmax_rnn.training.checkpointing import CHECKPOINTS_DIR
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"
 ADAPTER_BASE_DIR = "adapter_base"
 RESULTS_FILE = "results.json"
-#: Hub id of the embedded default model (the card's base_model).
-DEFAULT_MODEL_HUB_ID = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
 OFFLINE_CORPUS_TEXT = "Python's own documentation (`pydoc_data.topics`, the package's offline corpus)"
 
 
