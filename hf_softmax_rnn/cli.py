@@ -1,7 +1,9 @@
 """`hf-softmax-rnn` console script: one subcommand per job, each in its own module.
 
-A subcommand module defines `add_arguments(parser)` and `run(args) -> int | None`; it is
-imported only when its subcommand runs, so `--help` stays fast.
+A subcommand module defines `add_arguments(parser)` and `run(args) -> str | None`, which
+returns its report (printed here, exit status 0); it is imported only when its subcommand
+runs, so `--help` stays fast. Bad input (`ValueError`, `OSError`) ends with exit status 2 and
+a one-line message, a `CommandError` with its own status; other exceptions propagate.
 """
 
 from __future__ import annotations
@@ -10,6 +12,15 @@ import argparse
 import importlib
 import logging
 import sys
+
+logger = logging.getLogger(__name__)
+
+
+class CommandError(Exception):
+    """A subcommand failed in an expected way (e.g. an upload after everything was saved)."""
+
+    exit_code = 1
+
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hf_softmax_rnn.commands.demo", "convert the default model to the paper's variants and compare them"),
@@ -39,7 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = sub.parse_args(argv[argv.index(known.command) + 1 :])
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(module.run(args) or 0)
+    try:
+        report = module.run(args)
+    except (ValueError, OSError, CommandError) as error:
+        logger.debug("%s failed", known.command, exc_info=True)
+        sys.stderr.write(f"hf-softmax-rnn {known.command}: error: {error}\n")
+        return error.exit_code if isinstance(error, CommandError) else 2
+    if report:
+        sys.stdout.write(report.rstrip("\n") + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def budget_from_args(args) -> AblationBudget:
     return replace(base, **overrides)
 
 
-def run(args) -> int:
+def run(args) -> str:
     from hf_softmax_rnn.data.corpus import load_corpus
 
     if args.threads is not None:
@@ -286,6 +286,5 @@ def run(args) -> int:
     (args.output_dir / "ablation.md").write_text(table)
     title = f"d_model={budget.d_model}, {budget.num_layers} layers, {budget.steps} steps x {budget.batch_size} x {budget.seq_len} bytes"
     plot = plot_curves(runs, args.output_dir / "loss_curves.png", title)
-    print(table)
-    print("Wrote", args.output_dir / "ablation.md", args.output_dir / "ablation.csv", args.output_dir / "curves.csv", plot)
-    return 0
+    written = (args.output_dir / "ablation.md", args.output_dir / "ablation.csv", args.output_dir / "curves.csv", plot)
+    return table + "\nWrote " + " ".join(map(str, written))

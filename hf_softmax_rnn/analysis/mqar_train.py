@@ -235,7 +235,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args) -> int:
+def run(args) -> str:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     for name in args.attention:
@@ -256,6 +256,5 @@ def run(args) -> int:
                 write_csv(results, args.output_dir / "results.csv")
     write_table(results, args.output_dir / "results.md")
     plots = plot_results(results, args.output_dir)
-    print((args.output_dir / "results.md").read_text())
-    print("Wrote", args.output_dir / "results.csv", *plots)
-    return 0
+    written = (args.output_dir / "results.md", args.output_dir / "results.csv", *plots)
+    return (args.output_dir / "results.md").read_text() + "\nWrote " + " ".join(map(str, written))

@@ -237,7 +237,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args) -> int:
+def run(args) -> str:
     from hf_softmax_rnn.analysis.small_models import resolve_device
     from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
     from hf_softmax_rnn.default_model import resolve_model
@@ -256,15 +256,14 @@ def run(args) -> int:
     at_boundary = (terms.dominant_order == args.max_order).nonzero().flatten().tolist()
     if at_boundary:
         logger.warning("Layers %s peak at max_order=%d: raise --max-order to find their dominant order", at_boundary, args.max_order)
-    print("| layer | dominant order | mean abs x | max abs x | order-1 share of sum |")
-    print("|---|---|---|---|---|")
+    report = ["| layer | dominant order | mean abs x | max abs x | order-1 share of sum |", "|---|---|---|---|---|"]
     for layer in range(terms.mean_abs_terms.shape[0]):
         row = terms.mean_abs_terms[layer]
-        print(
+        report.append(
             f"| {layer} | {int(terms.dominant_order[layer])} | {float(terms.mean_abs_score[layer]):.2f} | "
             f"{float(terms.max_abs_score[layer]):.1f} | {float(row[1] / row.sum()):.2e} |"
         )
-    print("Wrote", *paths, heatmap)
+    report.append("Wrote " + " ".join(map(str, (*paths, heatmap))))
     if args.truncation_orders:
         stream = torch.tensor([t for block in packed["input_ids"] for t in block][: args.truncation_tokens])
         window = min(args.block_size, len(stream))
@@ -276,7 +275,7 @@ def run(args) -> int:
             writer.writerow(["order", "perplexity"])
             writer.writerows(results.items())
         plot = plot_truncation(results, args.output_dir / "truncation.png", f"exp truncated at order N: {args.model}")
-        print("| exp truncated at order | perplexity |\n|---|---|")
-        print("\n".join(f"| {order} | {value:.4g} |" for order, value in results.items()))
-        print("Wrote", args.output_dir / "truncation.csv", plot)
-    return 0
+        report += ["", "| exp truncated at order | perplexity |", "|---|---|"]
+        report += [f"| {order} | {value:.4g} |" for order, value in results.items()]
+        report.append(f"Wrote {args.output_dir / 'truncation.csv'} {plot}")
+    return "\n".join(report)

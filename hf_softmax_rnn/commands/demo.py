@@ -220,7 +220,7 @@ def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[to
     return [stream[None, :length] for length in lengths]
 
 
-def run(args) -> int:
+def run(args) -> str:
     _check_args(args)
     start = time.perf_counter()
     base_model, tokenizer = resolve_model(args.model)
@@ -240,7 +240,6 @@ def run(args) -> int:
     ]
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
     table = format_table(results, model_name, args.eval_window)
-    print(table)
     if args.output is not None:
         args.output.mkdir(parents=True, exist_ok=True)
         (args.output / "demo.md").write_text(table + "\n")
@@ -248,4 +247,4 @@ def run(args) -> int:
         (args.output / "demo.json").write_text(json.dumps(payload, indent=2) + "\n")
         logger.info("Wrote %s and %s", args.output / "demo.md", args.output / "demo.json")
     logger.info("Demo finished in %.0f s", time.perf_counter() - start)
-    return 0
+    return table

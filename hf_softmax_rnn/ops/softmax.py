@@ -20,7 +20,7 @@ def softmax_attention(
     Query rows that see no position (left padding) return zeros instead of NaN.
     """
     query_len, key_len = q.shape[-2], k.shape[-2]
-    enable_gqa = q.shape[1] != k.shape[1]
+    k, v, enable_gqa = _grouped_kv_for_sdpa(q, k, v, masked=key_mask is not None or query_len != key_len)
     if key_mask is None and query_len == key_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if key_mask is None:
@@ -31,6 +31,20 @@ def softmax_attention(
         q, k, v, attn_mask=visible | ~row_sees_something, scale=scale, enable_gqa=enable_gqa
     )
     return out * row_sees_something.to(out.dtype)
+
+
+def _grouped_kv_for_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """K/V and `enable_gqa` for SDPA. On CUDA only the flash kernel (fp16/bf16, no mask) takes
+    grouped heads; the memory-efficient kernel needs them repeated, which costs O(L d) where
+    falling back to the math kernel would cost O(L^2). Elsewhere SDPA groups them itself."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v, False
+    if q.is_cuda and (masked or q.dtype not in (torch.float16, torch.bfloat16)):
+        return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+    return k, v, True
 
 
 def softmax_attention_reference(

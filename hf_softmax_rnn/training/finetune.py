@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
 from hf_softmax_rnn.training.config import FINETUNE_METHODS, LR_SCHEDULERS, MIXED_PRECISION, FinetuneConfig
 
@@ -132,27 +131,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, **options)
 
 
-def _print_summary(result) -> None:
-    print(f"\nHeld-out perplexity ({result.output_dir}):")
-    for point, values in result.evaluations.items():
-        print(f"  {point:<10} {values['perplexity']:10.3f}")
-    print(json.dumps({point: round(values["perplexity"], 4) for point, values in result.evaluations.items()}))
+def summary(result) -> str:
+    """Held-out perplexity at each evaluation point, as lines and as one JSON line."""
+    lines = [f"Held-out perplexity ({result.output_dir}):"]
+    lines += [f"  {point:<10} {values['perplexity']:10.3f}" for point, values in result.evaluations.items()]
+    lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in result.evaluations.items()}))
+    return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    from hf_softmax_rnn.training.outputs import PushToHubError
+def run(args: argparse.Namespace) -> str | None:
     from hf_softmax_rnn.training.trainer import Finetuner
 
-    try:
-        finetuner = Finetuner(FinetuneConfig.from_namespace(args))
-    except (ValueError, OSError) as error:
-        print(f"hf-softmax-rnn finetune: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        result = finetuner.run()
-    except PushToHubError as error:
-        print(f"hf-softmax-rnn finetune: error: {error}", file=sys.stderr)
-        return 1
-    if finetuner.accelerator.is_main_process:
-        _print_summary(result)
-    return 0
+    finetuner = Finetuner(FinetuneConfig.from_namespace(args))
+    result = finetuner.run()
+    return summary(result) if finetuner.accelerator.is_main_process else None

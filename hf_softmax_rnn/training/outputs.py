@@ -21,6 +21,7 @@ from huggingface_hub import HfApi
 from peft import PeftModel
 from transformers import PreTrainedModel
 
+from hf_softmax_rnn.cli import CommandError
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
 from hf_softmax_rnn.training.checkpointing import CHECKPOINTS_DIR
@@ -38,7 +39,7 @@ RESULTS_FILE = "results.json"
 OFFLINE_CORPUS_TEXT = "Python's own documentation (`pydoc_data.topics`, the package's offline corpus)"
 
 
-class PushToHubError(RuntimeError):
+class PushToHubError(CommandError):
     """The upload failed; everything is saved locally."""
 
 

@@ -49,6 +49,7 @@ def test_cli_writes_table_csv_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-def test_cli_rejects_unknown_attention(tmp_path):
-    with pytest.raises(ValueError, match="Unknown attention preset 'softmaxx'"):
-        main(["mqar", "--attention", "softmaxx", "--output-dir", str(tmp_path)])
+def test_cli_rejects_unknown_attention(tmp_path, capsys):
+    assert main(["mqar", "--attention", "softmaxx", "--output-dir", str(tmp_path)]) == 2
+    assert "hf-softmax-rnn mqar: error: Unknown attention preset 'softmaxx'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

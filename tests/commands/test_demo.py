@@ -102,6 +102,7 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
     ],
     ids=["unknown-preset", "no-new-tokens", "context-too-long"],
 )
-def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message):
-    with pytest.raises(ValueError, match=message):
-        run_demo(tiny_llama_dir, *extra)
+def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys):
+    assert run_demo(tiny_llama_dir, *extra) == 2
+    error = capsys.readouterr().err
+    assert "hf-softmax-rnn demo: error: " in error and message in error.split("hf-softmax-rnn demo: error: ")[-1]
