@@ -32,7 +32,7 @@ EXPERIMENTS = {
     ),
     "mqar": (
         ["mqar", "--attention", "softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "softmax_taylor_2", "linear_elu",
-         "linear_cosine", "--num-kv-pairs", "4", "8", "16", "--steps", "1500"],
+         "linear_cosine", "--num-kv-pairs", "2", "4", "8", "--steps", "1000"],
         ["mqar", "--attention", "softmax", "linear_elu", "--num-kv-pairs", "2", "--seq-len", "16", "--vocab-size", "32",
          "--d-model", "16", "--steps", "2", "--num-train", "64", "--num-test", "16", "--batch-size", "8"],
         {"accuracy_vs_kv_pairs.png": "mqar_accuracy_vs_kv_pairs.png", "accuracy_vs_state_size.png": "mqar_accuracy_vs_state_size.png",
@@ -53,7 +53,9 @@ def main() -> None:
         output = args.output_dir / name
         argv = [*(quick if args.quick else full), "--device", args.device, "--output-dir", str(output)]
         print("hf-softmax-rnn", *argv)
-        cli(argv)
+        status = cli(argv)
+        if status != 0:
+            raise SystemExit(f"hf-softmax-rnn {name} failed with exit status {status}")
         if not args.quick:
             FIGURES.mkdir(parents=True, exist_ok=True)
             for produced, published in figures.items():
