@@ -20,8 +20,10 @@ pretrained weights and PEFT targets work unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.pytorch_utils import Conv1D
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
@@ -124,7 +127,11 @@ class SoftmaxRNNAttentionMixin:
     the ops compute: the qk scale resolved to the module's `scaling`, the input gate applied
     here so that cached values are gated), `uses_recurrent_state`, `attention_mode`,
     `rnn_params`, and for attention transfer `attention_transfer` / `transfer_loss`.
+    Subclasses name the modules that make q, k and v in `QKV_PROJECTIONS` and compute them in
+    `project_qkv`, so that a frozen copy of those weights can feed the transfer teacher.
     """
+
+    QKV_PROJECTIONS: tuple[str, ...] = ()
 
     def init_softmax_rnn(
         self, spec: AttentionSpec, attention_mode: str, *, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int
@@ -141,6 +148,32 @@ class SoftmaxRNNAttentionMixin:
         self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
         self.attention_transfer = False
         self.transfer_loss: torch.Tensor | None = None
+        self.has_frozen_teacher = False
+
+    def freeze_teacher(self, enabled: bool) -> None:
+        """Keep (or drop) a copy of the q/k/v projection weights as non-persistent buffers (moved
+        with the module, never saved), so the transfer teacher stays the original softmax while
+        those projections train."""
+        for name in self.QKV_PROJECTIONS:
+            for kind in ("weight", "bias"):
+                buffer = f"_teacher_{name}_{kind}"
+                if hasattr(self, buffer):
+                    delattr(self, buffer)
+                tensor = getattr(getattr(self, name), kind, None)
+                if enabled and tensor is not None:
+                    self.register_buffer(buffer, tensor.detach().clone(), persistent=False)
+        self.has_frozen_teacher = enabled
+
+    def projection(self, name: str, x: torch.Tensor, frozen: bool = False) -> torch.Tensor:
+        """`getattr(self, name)(x)`, or the same map with the frozen teacher weights."""
+        module = getattr(self, name)
+        if not frozen:
+            return module(x)
+        weight, bias = getattr(self, f"_teacher_{name}_weight"), getattr(self, f"_teacher_{name}_bias", None)
+        if isinstance(module, Conv1D):
+            out = x @ weight
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
 
     @property
     def is_converted(self) -> bool:
@@ -155,9 +188,11 @@ class SoftmaxRNNAttentionMixin:
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Cache | None,
+        teacher_qkv: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Attention of `self.attention_spec`: `[B, L, hidden]`, q `[B, H, L, D]`, k, v `[B, Hkv, L, D]`,
-        padding mask `[B, L_total]` or None -> `[B, L, H * D]`."""
+        padding mask `[B, L_total]` or None -> `[B, L, H * D]`. `teacher_qkv` makes q, k, v with the
+        frozen projections (called only for attention transfer with a frozen teacher)."""
         batch, _, length, _ = query.shape
         gates = self.rnn_params.gates(hidden_states)
         input_gate = gates.pop("input", None)
@@ -166,7 +201,11 @@ class SoftmaxRNNAttentionMixin:
         if cache is None:
             out, _ = attention(query, key, gated_value, self.op_spec, mode=self.attention_mode, **common)
             if self.attention_transfer:
-                self.transfer_loss = self._transfer_loss(out, query, key, value, attention_mask)
+                if self.has_frozen_teacher and teacher_qkv is None:
+                    raise ValueError("attention transfer with a frozen teacher needs `teacher_qkv`")
+                with torch.no_grad():
+                    teacher = teacher_qkv() if self.has_frozen_teacher else (query, key, value)
+                self.transfer_loss = self._transfer_loss(out, *teacher, attention_mask)
         elif self.attention_transfer:
             raise ValueError("attention transfer compares full sequences; call the model with use_cache=False")
         elif self.uses_recurrent_state:
@@ -187,8 +226,8 @@ class SoftmaxRNNAttentionMixin:
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """MSE (in float32 or wider) between this layer's output and exact causal softmax on the same q, k, v
-        (no grad), over non-padded query positions. Outputs `[B, H, L, D]`."""
+        """MSE (in float32 or wider) between this layer's output and exact causal softmax on the teacher's
+        q, k, v (no grad), over non-padded query positions. Outputs `[B, H, L, D]`."""
         key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
         with torch.no_grad():
             teacher = softmax_attention(query, key, value, key_mask, self.scaling)
@@ -216,6 +255,8 @@ def _warn_attention_dropout(module: nn.Module, probability: float) -> None:
 class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
     """`LlamaAttention` (same q/k/v/o projections and RoPE) computing `config.attention_spec(layer_idx)`."""
 
+    QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.init_softmax_rnn(
@@ -237,19 +278,27 @@ class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """`[B, L, hidden]` -> (`[B, L, hidden]`, None); attention_mask is the 2-D padding mask."""
+        query, key, value = self.project_qkv(hidden_states, position_embeddings)
+        teacher_qkv = functools.partial(self.project_qkv, hidden_states, position_embeddings, frozen=True)
+        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache, teacher_qkv)
+        return self.o_proj(out), None
+
+    def project_qkv(self, hidden_states: torch.Tensor, position_embeddings, frozen: bool = False):
+        """q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (RoPE applied), with the frozen teacher weights if `frozen`."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key, value = (
+            self.projection(name, hidden_states, frozen).view(hidden_shape).transpose(1, 2) for name in self.QKV_PROJECTIONS
+        )
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache)
-        return self.o_proj(out), None
+        return query, key, value
 
 
 class SoftmaxRNNGPT2Attention(SoftmaxRNNAttentionMixin, GPT2Attention):
     """`GPT2Attention` (same Conv1D c_attn/c_proj, GPT-2's scaling incl. `scale_attn_by_inverse_layer_idx`)
     computing `config.attention_spec(layer_idx)`. Self-attention only."""
+
+    QKV_PROJECTIONS = ("c_attn",)
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, is_cross_attention=False, layer_idx=layer_idx)
@@ -276,10 +325,16 @@ class SoftmaxRNNGPT2Attention(SoftmaxRNNAttentionMixin, GPT2Attention):
         """`[B, L, hidden]` -> (`[B, L, hidden]`, None); attention_mask is the 2-D padding mask."""
         if encoder_hidden_states is not None:
             raise ValueError(f"{type(self).__name__} is self-attention only; it got encoder_hidden_states")
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (x.view(shape).transpose(1, 2) for x in self.c_attn(hidden_states).split(self.split_size, dim=2))
-        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache)
+        query, key, value = self.project_qkv(hidden_states)
+        teacher_qkv = functools.partial(self.project_qkv, hidden_states, frozen=True)
+        out = self.softmax_rnn_attention(hidden_states, query, key, value, attention_mask, cache, teacher_qkv)
         return self.resid_dropout(self.c_proj(out)), None
+
+    def project_qkv(self, hidden_states: torch.Tensor, frozen: bool = False):
+        """q, k, v `[B, H, L, D]` from `c_attn`, with the frozen teacher weights if `frozen`."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        fused = self.projection("c_attn", hidden_states, frozen)
+        return tuple(x.view(shape).transpose(1, 2) for x in fused.split(self.split_size, dim=2))
 
 
 def softmax_rnn_attention_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
@@ -294,16 +349,20 @@ def _converted_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
     return modules
 
 
-def set_attention_transfer(model: nn.Module, enabled: bool) -> None:
+def set_attention_transfer(model: nn.Module, enabled: bool, *, frozen_teacher: bool = False) -> None:
     """Turn attention transfer on or off for every converted layer.
 
-    While on, each converted layer also computes exact causal softmax attention on the same
-    q, k, v (teacher, no grad) and stores `mse(student, teacher)` of the pre-o_proj outputs
-    in `module.transfer_loss` (forward with `use_cache=False`).
+    While on, each converted layer also computes exact causal softmax attention (the teacher,
+    no grad) and stores `mse(student, teacher)` of the pre-o_proj outputs in
+    `module.transfer_loss` (forward with `use_cache=False`). The teacher sees the same q, k, v
+    as the layer, or, with `frozen_teacher`, q, k, v from a copy of the projection weights
+    taken now: needed when the projections themselves train, else the teacher would move with
+    the student (and both could collapse to the same trivial attention).
     """
     for module in _converted_modules(model):
         module.attention_transfer = bool(enabled)
         module.transfer_loss = None
+        module.freeze_teacher(bool(enabled and frozen_teacher))
 
 
 def transfer_losses(model: nn.Module) -> list[torch.Tensor]:

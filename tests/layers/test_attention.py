@@ -188,3 +188,39 @@ def test_transfer_switches_off_and_reports_misuse():
     assert model.converted.transfer_loss is None
     with pytest.raises(ValueError, match="no converted"):
         set_attention_transfer(gpt2_layer("softmax"), True)
+
+
+#: Exact exp with the softmax denominator, as a converted layer: its output is softmax's.
+EXACT_EXP = dict(kind="recurrent_softmax", normalizer="softmax")
+
+
+def _layer_call(family, layer, hidden):
+    if family == "llama":
+        return layer(hidden, position_embeddings=rope(hidden.shape[1]))
+    return layer(hidden)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_frozen_teacher_stays_the_original_softmax_while_projections_train(family):
+    make_layer = llama_layer if family == "llama" else gpt2_layer
+    layer = make_layer(EXACT_EXP)
+    projection = layer.QKV_PROJECTIONS[0]
+    hidden = torch.randn(2, 6, 32, dtype=torch.float64)
+    keys_before = set(layer.state_dict())
+
+    for frozen, loss_after_change in [(True, "positive"), (False, "zero")]:
+        original = {name: p.detach().clone() for name, p in layer.named_parameters()}
+        set_attention_transfer(layer, True, frozen_teacher=frozen)
+        assert set(layer.state_dict()) == keys_before  # the frozen copy is never saved
+        _layer_call(family, layer, hidden)
+        assert layer.transfer_loss.item() < 1e-20  # student == teacher before any change
+        with torch.no_grad():
+            getattr(layer, projection).weight.add_(0.5 * torch.randn_like(getattr(layer, projection).weight))
+        _layer_call(family, layer, hidden)
+        # a frozen teacher keeps the original q/k/v, so the student's change shows; an unfrozen one moves with it
+        assert (layer.transfer_loss.item() > 1e-4) if loss_after_change == "positive" else (layer.transfer_loss.item() < 1e-20)
+        set_attention_transfer(layer, False)
+        assert not any(name.startswith("_teacher_") for name, _ in layer.named_buffers())
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(original[name])
