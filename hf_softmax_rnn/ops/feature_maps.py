@@ -11,6 +11,7 @@ C(d+n-1, n) features per order instead of d^n.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -24,38 +25,50 @@ from hf_softmax_rnn.ops.grouping import grouped_matmul
 
 
 @functools.lru_cache(maxsize=32)
-def _monomial_recursion(head_dim: int, order: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """How to build the order-n monomials from the order-(n-1) ones, n >= 2.
+def _colex_monomials(head_dim: int, order: int) -> tuple[tuple[int, ...], ...]:
+    """The order-n monomials x^alpha as sorted index tuples in colex order (by last index, then
+    recursively by the rest): those ending at index <= j are a prefix of the list."""
+    if order == 1:
+        return tuple((i,) for i in range(head_dim))
+    parents = _colex_monomials(head_dim, order - 1)
+    return tuple((*parent, j) for j in range(head_dim) for parent in parents if parent[-1] <= j)
 
-    Monomials x^alpha are indexed by sorted index tuples. Order n is the flattened outer
-    product (order n-1) x (x_j) restricted to j >= the tuple's last index: returns that
-    selection `[C(d+n-1, n)]` into the `C(d+n-2, n-1) * d` products, and the weights
-    1/sqrt(alpha!) of the order-n monomials.
-    """
-    parents = list(itertools.combinations_with_replacement(range(head_dim), order - 1))
-    selection, weight = [], []
-    for parent_index, parent in enumerate(parents):
-        for j in range(parent[-1], head_dim):
-            combo = (*parent, j)
-            selection.append(parent_index * head_dim + j)
-            multiplicities = [len(list(group)) for _, group in itertools.groupby(combo)]
-            weight.append(1.0 / math.sqrt(math.prod(math.factorial(m) for m in multiplicities)))
-    return torch.tensor(selection, dtype=torch.long), torch.tensor(weight, dtype=torch.float64)
+
+@functools.lru_cache(maxsize=32)
+def _monomial_prefixes(head_dim: int, order: int) -> tuple[int, ...]:
+    """Order-n monomials (n >= 2) without a gather: block j is (the first `prefix[j]` order-(n-1)
+    monomials) * x_j, since those are the ones ending at an index <= j."""
+    parent_last = [parent[-1] for parent in _colex_monomials(head_dim, order - 1)]
+    return tuple(bisect.bisect_right(parent_last, j) for j in range(head_dim))
+
+
+@functools.lru_cache(maxsize=32)
+def _taylor_weights(head_dim: int, order: int) -> torch.Tensor:
+    """1/sqrt(alpha!) for every feature of phi_N, orders 0..N `[F]` (float64)."""
+    weights = [1.0] * (1 + head_dim * (order >= 1))
+    for n in range(2, order + 1):
+        weights += [
+            1.0 / math.sqrt(math.prod(math.factorial(len(list(group))) for _, group in itertools.groupby(combo)))
+            for combo in _colex_monomials(head_dim, n)
+        ]
+    return torch.tensor(weights, dtype=torch.float64)
 
 
 def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
-    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated."""
+    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated (each in colex order)."""
     head_dim = x.shape[-1]
     parts = [x.new_ones(*x.shape[:-1], 1)]
-    monomials = x
     if order >= 1:
         parts.append(x)
+    monomials = x
     for n in range(2, order + 1):
-        selection, weight = _monomial_recursion(head_dim, n)
-        products = (monomials.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)
-        monomials = products.index_select(-1, selection.to(x.device))
-        parts.append(monomials * weight.to(device=x.device, dtype=x.dtype))
-    return torch.cat(parts, dim=-1)
+        prefix = _monomial_prefixes(head_dim, n)
+        blocks = [monomials[..., : prefix[j]] * x[..., j : j + 1] for j in range(head_dim)]
+        parts += blocks
+        if n < order:
+            monomials = torch.cat(blocks, dim=-1)
+    features = torch.cat(parts, dim=-1)
+    return features if order < 2 else features * _taylor_weights(head_dim, order).to(device=x.device, dtype=x.dtype)
 
 
 def taylor_exp(x: torch.Tensor, order: int) -> torch.Tensor:

@@ -84,21 +84,23 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     target += grad
 
         # Sweep 1, forward order: the inter-chunk term phi(q_c) S_{c-1} needs the state before c.
+        # d phi(q_c) = d_out_c S_{c-1}^T by hand; autograd only runs through the feature map.
         running = state.detach()
         for sl in slices:
             qc, kc, vc = q[..., sl, :], k[..., sl, :], v[..., sl, :]
+            d_phi_q = grouped_matmul(d_out[..., sl, :], running.transpose(-1, -2))
             with torch.enable_grad():
                 (qc_leaf,) = leaves(qc)
                 p_leaves = {name: leaves(p)[0] for name, p in raw_params.items() if p is not None}
-                inter = grouped_matmul(query_features(qc_leaf, spec, scale, p_leaves), running)
+                phi_q = query_features(qc_leaf, spec, scale, p_leaves)
                 inputs = [qc_leaf, *p_leaves.values()]
-                grads = torch.autograd.grad(inter, inputs, d_out[..., sl, :], allow_unused=True)
+                grads = torch.autograd.grad(phi_q, inputs, d_phi_q, allow_unused=True)
             accumulate(grads[:1], [dq[..., sl, :]])
             accumulate(grads[1:], list(d_params.values()))
-            with torch.no_grad():
-                running = running + key_features(kc, spec, scale, raw_params).transpose(-1, -2) @ vc
+            running = running + key_features(kc, spec, scale, raw_params).transpose(-1, -2) @ vc
 
-        # Sweep 2, reverse order: dS carries d(loss)/d(state after chunk c).
+        # Sweep 2, reverse order: dS carries d(loss)/d(state after chunk c). The state update
+        # phi(k_c)^T v_c gives d phi(k_c) = v_c dS^T and d v_c = phi(k_c) dS, by hand.
         d_state = d_final_state.clone()
         for sl in reversed(slices):
             qc, kc, vc, doc = q[..., sl, :], k[..., sl, :], v[..., sl, :], d_out[..., sl, :]
@@ -106,11 +108,12 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 qc_leaf, kc_leaf, vc_leaf = leaves(qc, kc, vc)
                 p_leaves = {name: leaves(p)[0] for name, p in raw_params.items() if p is not None}
                 phi_q, phi_k, intra = _chunk_terms(qc_leaf, kc_leaf, vc_leaf, spec, scale, p_leaves)
-                contribution = phi_k.transpose(-1, -2) @ vc_leaf
+                d_phi_k = vc @ d_state.transpose(-1, -2)
                 inputs = [qc_leaf, kc_leaf, vc_leaf, *p_leaves.values()]
-                grads = torch.autograd.grad([intra, contribution], inputs, [doc, d_state], allow_unused=True)
+                grads = torch.autograd.grad([intra, phi_k], inputs, [doc, d_phi_k], allow_unused=True)
             accumulate(grads[:3], [dq[..., sl, :], dk[..., sl, :], dv[..., sl, :]])
             accumulate(grads[3:], list(d_params.values()))
+            dv[..., sl, :] += phi_k.detach() @ d_state
             d_state = d_state + torch.einsum("bhgcf,bhgcd->bhfd", phi_q.detach(), doc)
 
         d_hedgehog = [d_params.get(name) for name in _PARAM_NAMES]
