@@ -3,14 +3,12 @@
 The order-2 state lives in the symmetric monomial basis like every Taylor state (rows
 1 + D + p of `[B, Hkv, F, Dv']`, p over pairs i <= j in colex order, feature
 c_p x_i x_j with c_p = 1, or 1/sqrt(2) on the diagonal). Per chunk it is unpacked into a
-symmetric `[D*D, Dv']` array A with sum_p c_p q_i q_j S_p = sum_ij q_i q_j A_ij, so that
+symmetric `[D, D, Dv']` array A with sum_p c_p q_i q_j S_p = sum_ij q_i q_j A_ij, so that
 
-    inter-chunk output = S_0 + q S_1 + (q (x) q) A
-    state update       = [sum v', k^T v', fold((k (x) k)^T v')]
+    inter-chunk output = S_0 + q S_1 + sum_j q_j (q A)_j          (matmuls with K = D)
+    state update       = [sum v', k^T v', fold(k^T (k (x) v'))]
 
-with one broadcast product for q (x) q and large matmuls, instead of building the `[C, F]`
-symmetric features (F = 2,145 for D = 64) from 64 small blocks; only the state is stored
-symmetric. The backward is
+and neither pass builds the `[C, F]` features (F = 2,145 for D = 64). The backward is
 written out by hand in the same two sweeps as `linear._ChunkedLinearAttention`; the
 intra-chunk part goes through autograd. Shapes as in `linear.py`; q and k arrive
 unscaled, the kernel scale enters as sqrt(scale) on both sides.
@@ -44,8 +42,7 @@ def _pair_layout(head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 class _Layout:
-    """The pair layout on a device and dtype: unpack/fold between the pair rows `[..., P, Dv']`
-    and the symmetric `[..., D*D, Dv']` array A with sum_ij x_i x_j A_ij = phi_2(x).S."""
+    """The pair layout on a device and dtype, with unpack/fold between `[..., P, Dv']` and `[..., D, D*Dv']`."""
 
     def __init__(self, head_dim: int, like: torch.Tensor) -> None:
         to_flat, weight, from_flat, unpack_weight = _pair_layout(head_dim)
@@ -55,39 +52,47 @@ class _Layout:
         self.unpack_weight = unpack_weight.to(device=like.device, dtype=like.dtype)[:, None]
 
     def unpack(self, pairs: torch.Tensor) -> torch.Tensor:
-        return pairs.index_select(-2, self.from_flat) * self.unpack_weight
+        """`[..., P, Dv'] -> [..., D, D * Dv']`: the symmetric A with sum_ij x_i x_j A_ij = phi_2(x).S."""
+        full = pairs.index_select(-2, self.from_flat) * self.unpack_weight
+        return full.reshape(*pairs.shape[:-2], self.d, self.d * pairs.shape[-1])
 
     def fold(self, full: torch.Tensor) -> torch.Tensor:
-        """The adjoint of `unpack` for a symmetric `[..., D*D, Dv']` (and the pair rows of sum x (x) x w)."""
-        return full.index_select(-2, self.to_flat) * self.weight
+        """`[..., D, D * Dv']` symmetric sum_t x_t (x) x_t (x) w_t -> its pair rows c_p (...)_ij `[..., P, Dv']`."""
+        flat = full.reshape(*full.shape[:-2], self.d * self.d, -1)
+        return flat.index_select(-2, self.to_flat) * self.weight
 
 
-def _outer(x: torch.Tensor) -> torch.Tensor:
-    """x (x) x, flattened: `[..., D] -> [..., D*D]` (on 2-D views, which PyTorch runs faster)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return (rows[:, :, None] * rows[:, None, :]).view(*x.shape[:-1], -1)
+def _quadratic(x: torch.Tensor, a_full: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """T = x A `[..., C, D, Dv']` and sum_j x_j T_j `[..., C, Dv']` for x `[..., C, D]`."""
+    product = grouped_matmul(x, a_full) if grouped else x @ a_full
+    t = product.unflatten(-1, (x.shape[-1], -1))
+    return t, (t * x.unsqueeze(-1)).sum(-2)
 
 
-def _outer_vjp(x: torch.Tensor, d_outer: torch.Tensor) -> torch.Tensor:
-    """d/dx of <x (x) x, d_outer> for a symmetric d_outer `[..., D*D]`: 2 d_outer x `[..., D]`."""
-    d = x.shape[-1]
-    rows = torch.einsum("nij,nj->ni", d_outer.reshape(-1, d, d), x.reshape(-1, d))
-    return 2 * rows.view(x.shape)
+def _outer_sum(x: torch.Tensor, w: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """sum_t x_t (x) x_t (x) w_t `[..., D, D * Dv']` for x `[..., C, D]`, w `[..., C, Dv']` (summed over
+    the query groups too when `grouped`)."""
+    xw = (x.unsqueeze(-1) * w.unsqueeze(-2)).flatten(-2)
+    if grouped:
+        batch, kv_heads, groups, rows, d = x.shape
+        return x.reshape(batch, kv_heads, groups * rows, d).transpose(-1, -2) @ xw.reshape(batch, kv_heads, groups * rows, -1)
+    return x.transpose(-1, -2) @ xw
 
 
 def _split(state: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return state[..., :1, :], state[..., 1 : 1 + d, :], state[..., 1 + d :, :]
 
 
-def _inter(qs: torch.Tensor, state: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """phi_2(q) S for grouped scaled queries `[B, Hkv, G, C, D]` -> `[B, Hkv, G, C, Dv']`."""
+def _inter(qs: torch.Tensor, state: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """phi_2(q) S for grouped scaled queries: (output `[B, Hkv, G, C, Dv']`, T for the backward)."""
     s0, s1, s2 = _split(state, layout.d)
-    return s0.unsqueeze(2) + grouped_matmul(qs, s1) + grouped_matmul(_outer(qs), layout.unpack(s2))
+    t, quadratic = _quadratic(qs, layout.unpack(s2), grouped=True)
+    return s0.unsqueeze(2) + grouped_matmul(qs, s1) + quadratic, t
 
 
 def _update(ks: torch.Tensor, v: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """phi_2(k)^T v' for scaled keys `[B, Hkv, C, D]`, v' `[B, Hkv, C, Dv']` -> `[B, Hkv, F, Dv']`."""
-    order2 = layout.fold(_outer(ks).transpose(-1, -2) @ v)
+    order2 = layout.fold(_outer_sum(ks, v, grouped=False))
     return torch.cat([v.sum(-2, keepdim=True), ks.transpose(-1, -2) @ v, order2], dim=-2)
 
 
@@ -112,7 +117,8 @@ class ChunkedTaylor2Attention(torch.autograd.Function):
         running = state
         for sl in _slices(q.shape[-2], chunk_size):
             qc, kc, vc = q[..., sl, :], k[..., sl, :], v[..., sl, :]
-            out[..., sl, :] = _intra(qc, kc, vc, spec, scale) + _inter(root * qc, running, layout)
+            inter, _ = _inter(root * qc, running, layout)
+            out[..., sl, :] = _intra(qc, kc, vc, spec, scale) + inter
             running = running + _update(root * kc, vc, layout)
         ctx.save_for_backward(q, k, v, state)
         ctx.spec, ctx.scale, ctx.chunk_size = spec, scale, chunk_size
@@ -132,9 +138,10 @@ class ChunkedTaylor2Attention(torch.autograd.Function):
         running = state
         for sl in slices:
             qs, doc = root * q[..., sl, :], d_out[..., sl, :]
-            _, s1, s2 = _split(running, d)
-            d_outer = grouped_matmul(doc, layout.unpack(s2).transpose(-1, -2))
-            dq[..., sl, :] += root * (grouped_matmul(doc, s1.transpose(-1, -2)) + _outer_vjp(qs, d_outer))
+            _, t = _inter(qs, running, layout)
+            s1 = _split(running, d)[1]
+            d_qs = grouped_matmul(doc, s1.transpose(-1, -2)) + 2 * (t * doc.unsqueeze(-2)).sum(-1)
+            dq[..., sl, :] += root * d_qs
             running = running + _update(root * k[..., sl, :], v[..., sl, :], layout)
 
         # Sweep 2, reverse order: d_state is d(loss)/d(state after the chunk).
@@ -148,21 +155,19 @@ class ChunkedTaylor2Attention(torch.autograd.Function):
             dq[..., sl, :] += grads[0]
             dk[..., sl, :] += grads[1]
             dv[..., sl, :] += grads[2]
-            # The state update S_0 += sum v', S_1 += k^T v', S_2 += fold((k (x) k)^T v').
-            ks, kk = root * kc, _outer(root * kc)
+            # The state update: S_0 += sum v', S_1 += k^T v', S_2 += fold(k^T (k (x) v')).
+            ks = root * kc
             ds0, ds1, ds2 = _split(d_state, d)
-            unpacked = layout.unpack(ds2)
-            dv[..., sl, :] += ds0 + ks @ ds1 + kk @ unpacked
-            dk[..., sl, :] += root * (vc @ ds1.transpose(-1, -2) + _outer_vjp(ks, vc @ unpacked.transpose(-1, -2)))
-            # The inter-chunk term's use of the state before the chunk (summed over the query groups).
+            tb, quadratic = _quadratic(ks, layout.unpack(ds2), grouped=False)
+            dv[..., sl, :] += ds0 + ks @ ds1 + quadratic
+            dk[..., sl, :] += root * (vc @ ds1.transpose(-1, -2) + 2 * (tb * vc.unsqueeze(-2)).sum(-1))
+            # The inter-chunk term's use of the state before the chunk.
             qs = root * qc
-            batch, kv_heads, groups, rows, _ = qs.shape
-            flat = (batch, kv_heads, groups * rows, -1)
             d_inter = torch.cat(
                 [
                     doc.sum((2, 3)).unsqueeze(-2),
-                    qs.reshape(flat).transpose(-1, -2) @ doc.reshape(flat),
-                    layout.fold(_outer(qs).reshape(flat).transpose(-1, -2) @ doc.reshape(flat)),
+                    (qs.transpose(-1, -2) @ doc).sum(2),
+                    layout.fold(_outer_sum(qs, doc, grouped=True)),
                 ],
                 dim=-2,
             )
