@@ -24,7 +24,6 @@ import torch
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.feature_maps import key_features, kernel_scores, query_features
-from hf_softmax_rnn.ops.taylor2 import ChunkedTaylor2Attention
 
 _PARAM_NAMES = ("hedgehog_q", "hedgehog_k")
 
@@ -131,10 +130,7 @@ def chunked_linear_attention(
     params: Mapping[str, torch.Tensor],
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
-    Taylor order 2 takes its feature-free path (`taylor2.py`)."""
-    if spec.effective_feature_map == "taylor" and spec.taylor_order == 2:
-        return ChunkedTaylor2Attention.apply(q, k, v, state, spec, scale, chunk_size)
+    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position."""
     return _ChunkedLinearAttention.apply(
         q, k, v, state, params.get("hedgehog_q"), params.get("hedgehog_k"), spec, scale, chunk_size
     )
