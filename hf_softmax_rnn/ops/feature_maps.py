@@ -54,14 +54,31 @@ def _taylor_weights(head_dim: int, order: int) -> torch.Tensor:
     return torch.tensor(weights, dtype=torch.float64)
 
 
-def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
-    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated (each in colex order)."""
+@functools.lru_cache(maxsize=32)
+def _monomial_selection(head_dim: int, order: int) -> torch.Tensor:
+    """The same order-n monomials as one gather from the flattened products (order n-1) x x `[C(d+n-1, n)]`."""
+    prefix = _monomial_prefixes(head_dim, order)
+    return torch.tensor([parent * head_dim + j for j in range(head_dim) for parent in range(prefix[j])])
+
+
+def taylor_features(x: torch.Tensor, order: int, *, gather: bool | None = None) -> torch.Tensor:
+    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated (each in colex order).
+
+    Each order is built from the previous one either by D contiguous block products (fast on
+    CPU) or by one gather from the full outer product (one kernel, fast on GPUs); `gather=None`
+    picks by device. Both give the same features."""
+    gather = x.device.type != "cpu" if gather is None else gather
     head_dim = x.shape[-1]
     parts = [x.new_ones(*x.shape[:-1], 1)]
     if order >= 1:
         parts.append(x)
     monomials = x
     for n in range(2, order + 1):
+        if gather:
+            products = (monomials.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)
+            monomials = products.index_select(-1, _monomial_selection(head_dim, n).to(x.device))
+            parts.append(monomials)
+            continue
         prefix = _monomial_prefixes(head_dim, n)
         blocks = [monomials[..., : prefix[j]] * x[..., j : j + 1] for j in range(head_dim)]
         parts += blocks

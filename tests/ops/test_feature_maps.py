@@ -83,3 +83,14 @@ def test_order_zero_denominator_is_visible_count():
         g, state = attention(q, k, ones, spec, mode=mode, attention_mask=mask)
         expected = mask.cumsum(-1).to(torch.float64)[:, None, :].expand(2, 4, 7)
         torch.testing.assert_close(g[..., 0], expected)
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_gather_and_block_constructions_agree(order):
+    """The GPU construction (one gather) and the CPU one (block products): same features and gradients."""
+    x = torch.randn(4, 5, 6, dtype=torch.float64, requires_grad=True)
+    blocks, gathered = taylor_features(x, order, gather=False), taylor_features(x, order, gather=True)
+    torch.testing.assert_close(blocks, gathered, rtol=0, atol=0)
+    weights = torch.randn_like(blocks)
+    grads = [torch.autograd.grad((features * weights).sum(), x)[0] for features in (blocks, gathered)]
+    torch.testing.assert_close(*grads)
