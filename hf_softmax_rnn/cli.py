@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         report = module.run(args)
     except (ValueError, OSError, CommandError) as error:
         logger.debug("%s failed", known.command, exc_info=True)
-        sys.stderr.write(f"hf-softmax-rnn {known.command}: error: {error}\n")
+        hint = "" if logger.isEnabledFor(logging.DEBUG) else " (--log-level DEBUG shows the traceback)"
+        sys.stderr.write(f"hf-softmax-rnn {known.command}: error: {error}{hint}\n")
         return error.exit_code if isinstance(error, CommandError) else 2
     if report:
         sys.stdout.write(report.rstrip("\n") + "\n")

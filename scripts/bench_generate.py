@@ -33,19 +33,13 @@ from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import matplotlib
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-from hf_softmax_rnn.convert import convert  # noqa: E402
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
-from hf_softmax_rnn.layers.cache import cache_nbytes  # noqa: E402
+from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
+from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger("bench_generate")
 
@@ -86,7 +80,7 @@ class DecodeSession:
         _synchronize(self.next_token.device)
         return time.perf_counter() - start
 
-    def snapshot(self) -> "DecodeSession":
+    def snapshot(self) -> DecodeSession:
         """An independent copy (own cache) that decodes on from this point; the model is shared."""
         clone = DecodeSession.__new__(DecodeSession)
         clone.__dict__.update(self.__dict__, cache=deepcopy(self.cache), next_token=self.next_token.clone())
@@ -170,6 +164,11 @@ def markdown_table(measurements: list[Measurement], contexts: list[int]) -> str:
 
 
 def plot(measurements: list[Measurement], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (ax_latency, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
     for preset in dict.fromkeys(m.preset for m in measurements):
         rows = [m for m in measurements if m.preset == preset]

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -349,20 +349,21 @@ def _converted_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
     return modules
 
 
-def set_attention_transfer(model: nn.Module, enabled: bool, *, frozen_teacher: bool = False) -> None:
+def set_attention_transfer(model: nn.Module, enabled: bool, *, trained: Iterable[str] = ()) -> None:
     """Turn attention transfer on or off for every converted layer.
 
     While on, each converted layer also computes exact causal softmax attention (the teacher,
     no grad) and stores `mse(student, teacher)` of the pre-o_proj outputs in
-    `module.transfer_loss` (forward with `use_cache=False`). The teacher sees the same q, k, v
-    as the layer, or, with `frozen_teacher`, q, k, v from a copy of the projection weights
-    taken now: needed when the projections themselves train, else the teacher would move with
-    the student (and both could collapse to the same trivial attention).
+    `module.transfer_loss` (forward with `use_cache=False`). `trained` names the layer's
+    submodules that will train; if it includes a q/k/v projection (`QKV_PROJECTIONS`), the
+    teacher uses a copy of those weights taken now, else it would move with the student (and
+    both could collapse to the same trivial attention). Otherwise it shares the layer's q, k, v.
     """
+    trained = set(trained)
     for module in _converted_modules(model):
         module.attention_transfer = bool(enabled)
         module.transfer_loss = None
-        module.freeze_teacher(bool(enabled and frozen_teacher))
+        module.freeze_teacher(bool(enabled and trained & set(module.QKV_PROJECTIONS)))
 
 
 def transfer_losses(model: nn.Module) -> list[torch.Tensor]:

@@ -40,10 +40,8 @@ QUERY_KEY_PROJECTIONS: dict[str, list[str]] = {
     "softmax_rnn_llama": ["q_proj", "k_proj"],
     "softmax_rnn_gpt2": ["c_attn"],
 }
-#: Projections that make q, k, v: when transfer trains one, its teacher uses a frozen copy.
-QKV_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "c_attn"})
 #: Submodules of an attention layer that its pre-projection output (what attention transfer compares) depends on.
-FEED_ATTENTION_OUTPUT = QKV_PROJECTIONS | {RNN_PARAMS}
+FEED_ATTENTION_OUTPUT = frozenset({RNN_PARAMS, "q_proj", "k_proj", "v_proj", "c_attn"})
 #: Module types LoRA can adapt here (GPT-2's projections are transformers' Conv1D).
 _LORA_MODULE_TYPES = (nn.Linear, Conv1D)
 
@@ -139,7 +137,7 @@ def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
     def setup(model: nn.Module) -> nn.Module:
         converted = [m for m in softmax_rnn_attention_modules(model) if m.is_converted]
         _freeze_all_but(model, [getattr(m, name) for m in converted for name in modules])
-        set_attention_transfer(model, True, frozen_teacher=bool(set(modules) & QKV_PROJECTIONS))
+        set_attention_transfer(model, True, trained=modules)
         return model
 
     def loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:

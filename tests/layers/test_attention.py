@@ -210,7 +210,7 @@ def test_frozen_teacher_stays_the_original_softmax_while_projections_train(famil
 
     for frozen, loss_after_change in [(True, "positive"), (False, "zero")]:
         original = {name: p.detach().clone() for name, p in layer.named_parameters()}
-        set_attention_transfer(layer, True, frozen_teacher=frozen)
+        set_attention_transfer(layer, True, trained=[projection] if frozen else [])
         assert set(layer.state_dict()) == keys_before  # the frozen copy is never saved
         _layer_call(family, layer, hidden)
         assert layer.transfer_loss.item() < 1e-20  # student == teacher before any change
