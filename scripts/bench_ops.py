@@ -44,8 +44,8 @@ def _rss_bytes() -> int:
 
 
 def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None, device: str = "cpu") -> dict:
-    """Time one call (best of `repeats`, after one warm-up call on CUDA) and measure its peak
-    memory above the inputs."""
+    """Time one call (best of `repeats`, after a warm-up call: at the same length on CUDA, at
+    256 positions on CPU) and measure its peak memory above the inputs."""
     torch.manual_seed(0)
     spec = AttentionSpec.from_preset(preset, **({} if chunk_size is None else {"chunk_size": chunk_size}))
     b, h, hkv, d = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
@@ -71,6 +71,7 @@ def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, 
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
+        _warm_up(spec, mode, backward)
         baseline = _rss_bytes()
     times = [call() for _ in range(repeats)]
     if cuda:
@@ -78,6 +79,17 @@ def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, 
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": min(times), "peak_bytes": max(peak - baseline, 0)}
+
+
+def _warm_up(spec: AttentionSpec, mode: str, backward: bool, length: int = 256) -> None:
+    """One short call first, so that a single timed call at long lengths does not also pay for
+    the thread pool's and the allocator's first use (a few MiB of peak memory may be reused)."""
+    b, h, hkv, d = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    inputs = [torch.randn(b, heads, length, d, requires_grad=backward) for heads in (h, hkv, hkv)]
+    with torch.set_grad_enabled(backward):
+        out, _ = attention(*inputs, spec, mode=mode)
+        if backward:
+            out.sum().backward()
 
 
 def _measure(preset, mode, length, backward, repeats, chunk_size, device) -> dict:

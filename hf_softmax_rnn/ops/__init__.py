@@ -1,8 +1,8 @@
 """Pure attention functions: one entry point, three modes (see `attention`)."""
 
 from hf_softmax_rnn.ops.attention import RecurrentState, attention
-from hf_softmax_rnn.ops.feature_maps import taylor_exp, taylor_features
 from hf_softmax_rnn.ops.softmax import softmax_attention, softmax_attention_reference
+from hf_softmax_rnn.ops.taylor import taylor_exp, taylor_features, taylor_features_reference
 
 __all__ = [
     "RecurrentState",
@@ -11,4 +11,5 @@ __all__ = [
     "softmax_attention_reference",
     "taylor_exp",
     "taylor_features",
+    "taylor_features_reference",
 ]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
+from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
+from hf_softmax_rnn.ops.feature_maps import chunk_kernel
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
@@ -151,7 +153,10 @@ def attention(
         if state is None:
             state = RecurrentState.zeros(batch, kv_heads, spec.feature_dim(head_dim), value_dim, q.device, compute_dtype)
         packed = state.packed.to(compute_dtype)
-        if mode == "chunked":
+        kernel = chunk_kernel(spec, scale) if mode == "chunked" else None
+        if kernel is not None:
+            augmented, packed = chunked_kernel_attention(grouped_q, k, augmented_v, packed, kernel, spec.chunk_size)
+        elif mode == "chunked":
             augmented, packed = chunked_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params, spec.chunk_size)
         else:
             augmented, packed = recurrent_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params)

@@ -4,16 +4,11 @@ Shapes: queries arrive grouped as `[B, Hkv, G, L, D]` (G query heads per KV head
 keys as `[B, Hkv, L, D]`; learned per-head weights broadcast against those layouts
 (`hedgehog_q` as `[Hkv, G, D, F]`, `hedgehog_k` as `[Hkv, D, F]`).
 
-The Taylor feature map phi_N(x) = [x^alpha / sqrt(alpha!)]_{|alpha| <= N} lives in the
-symmetric monomial basis: phi_N(q).phi_N(k) = sum_{n<=N} (q.k)^n / n! with
-C(d+n-1, n) features per order instead of d^n.
+The Taylor feature map and its kernel live in `ops.taylor`.
 """
 
 from __future__ import annotations
 
-import bisect
-import functools
-import itertools
 import math
 from collections.abc import Callable, Mapping
 
@@ -22,78 +17,8 @@ import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-
-
-@functools.lru_cache(maxsize=32)
-def _colex_monomials(head_dim: int, order: int) -> tuple[tuple[int, ...], ...]:
-    """The order-n monomials x^alpha as sorted index tuples in colex order (by last index, then
-    recursively by the rest): those ending at index <= j are a prefix of the list."""
-    if order == 1:
-        return tuple((i,) for i in range(head_dim))
-    parents = _colex_monomials(head_dim, order - 1)
-    return tuple((*parent, j) for j in range(head_dim) for parent in parents if parent[-1] <= j)
-
-
-@functools.lru_cache(maxsize=32)
-def _monomial_prefixes(head_dim: int, order: int) -> tuple[int, ...]:
-    """Order-n monomials (n >= 2) without a gather: block j is (the first `prefix[j]` order-(n-1)
-    monomials) * x_j, since those are the ones ending at an index <= j."""
-    parent_last = [parent[-1] for parent in _colex_monomials(head_dim, order - 1)]
-    return tuple(bisect.bisect_right(parent_last, j) for j in range(head_dim))
-
-
-@functools.lru_cache(maxsize=32)
-def _taylor_weights(head_dim: int, order: int) -> torch.Tensor:
-    """1/sqrt(alpha!) for every feature of phi_N, orders 0..N `[F]` (float64)."""
-    weights = [1.0] * (1 + head_dim * (order >= 1))
-    for n in range(2, order + 1):
-        weights += [
-            1.0 / math.sqrt(math.prod(math.factorial(len(list(group))) for _, group in itertools.groupby(combo)))
-            for combo in _colex_monomials(head_dim, n)
-        ]
-    return torch.tensor(weights, dtype=torch.float64)
-
-
-@functools.lru_cache(maxsize=32)
-def _monomial_selection(head_dim: int, order: int) -> torch.Tensor:
-    """The same order-n monomials as one gather from the flattened products (order n-1) x x `[C(d+n-1, n)]`."""
-    prefix = _monomial_prefixes(head_dim, order)
-    return torch.tensor([parent * head_dim + j for j in range(head_dim) for parent in range(prefix[j])])
-
-
-def taylor_features(x: torch.Tensor, order: int, *, gather: bool | None = None) -> torch.Tensor:
-    """phi_N(x): `[..., D] -> [..., sum_n C(D+n-1, n)]`, orders 0..N concatenated (each in colex order).
-
-    Each order is built from the previous one either by D contiguous block products (fast on
-    CPU) or by one gather from the full outer product (one kernel, fast on GPUs); `gather=None`
-    picks by device. Both give the same features."""
-    gather = x.device.type != "cpu" if gather is None else gather
-    head_dim = x.shape[-1]
-    parts = [x.new_ones(*x.shape[:-1], 1)]
-    if order >= 1:
-        parts.append(x)
-    monomials = x
-    for n in range(2, order + 1):
-        if gather:
-            products = (monomials.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)
-            monomials = products.index_select(-1, _monomial_selection(head_dim, n).to(x.device))
-            parts.append(monomials)
-            continue
-        prefix = _monomial_prefixes(head_dim, n)
-        blocks = [monomials[..., : prefix[j]] * x[..., j : j + 1] for j in range(head_dim)]
-        parts += blocks
-        if n < order:
-            monomials = torch.cat(blocks, dim=-1)
-    features = torch.cat(parts, dim=-1)
-    return features if order < 2 else features * _taylor_weights(head_dim, order).to(device=x.device, dtype=x.dtype)
-
-
-def taylor_exp(x: torch.Tensor, order: int) -> torch.Tensor:
-    """sum_{n<=N} x^n / n! by Horner's rule (elementwise)."""
-    result = torch.full_like(x, 1.0 / math.factorial(order))
-    for n in range(order - 1, -1, -1):
-        result = result * x + 1.0 / math.factorial(n)
-    return result
+from hf_softmax_rnn.ops.chunked import ChunkKernel, Scratch
+from hf_softmax_rnn.ops.taylor import TaylorKernel, taylor_exp, taylor_features
 
 
 def _hedgehog(x: torch.Tensor, spec: AttentionSpec, weight: torch.Tensor | None) -> torch.Tensor:
@@ -114,6 +39,50 @@ _PLAIN_FEATURE_MAPS: dict[str, FeatureMapFn] = {
     "cosine": lambda x, spec, weight: F.normalize(x, dim=-1, eps=spec.norm_eps),
     "hedgehog": _hedgehog,
 }
+
+
+#: name -> (phi, d phi / dx) for the elementwise maps, which the hand-written chunked engine runs.
+_ELEMENTWISE_MAPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "identity": (lambda x: x.clone(), torch.ones_like),
+    "elu": (lambda x: F.elu(x) + 1.0, lambda x: torch.where(x > 0, 1.0, x.exp())),
+    "relu": (F.relu, lambda x: (x > 0).to(x.dtype)),
+}
+
+
+class ElementwiseKernel:
+    """phi(q).phi(k) for an elementwise map (identity, elu, relu) in `ops.chunked`, the scale
+    folded into the query side as in `feature_map`."""
+
+    def __init__(self, name: str, scale: float) -> None:
+        self.function, self.derivative = _ELEMENTWISE_MAPS[name]
+        self.scale = scale
+
+    def features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+        rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
+        rows.copy_(x.mT)
+        phi = self.function(rows)
+        return phi.mul_(self.scale) if query else phi
+
+    def features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+        grad_x = grad * self.derivative(scratch.get("rows"))
+        return (grad_x.mul_(self.scale) if query else grad_x).mT
+
+    def scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
+        return torch.bmm(phi_q.mT, phi_k, out=scratch("scores", (q.shape[0], q.shape[1], k.shape[1]), q))
+
+    def scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
+        return None, None, phi_k @ d_scores.mT, phi_q @ d_scores
+
+
+def chunk_kernel(spec: AttentionSpec, scale: float) -> ChunkKernel | None:
+    """The kernel of `spec` for the hand-written chunked engine, or None for the maps that take
+    the generic autograd path (cosine, hedgehog)."""
+    name = spec.effective_feature_map
+    if name == "taylor":
+        return TaylorKernel(spec.taylor_order, scale)
+    if name in _ELEMENTWISE_MAPS:
+        return ElementwiseKernel(name, scale)
+    return None
 
 
 def feature_map(

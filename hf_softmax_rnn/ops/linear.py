@@ -10,7 +10,9 @@ state `[B, Hkv, F, Dv + 1]` with F = `spec.feature_dim(D)`.
 
 - `chunked_linear_attention`: quadratic inside chunks of C positions, state carried between
   chunks; a custom backward recomputes features chunk by chunk (two sweeps), so neither
-  pass keeps an L x L matrix or the `[L, F]` features: memory is flat in L.
+  pass keeps an L x L matrix or the `[L, F]` features: memory is flat in L. Any feature
+  map; the Taylor and elementwise maps run the hand-written `ops.chunked` engine instead,
+  which this is the reference of.
 - `recurrent_linear_attention`: one position at a time; the slow, obviously-correct form
   that decoding uses (L = 1) and the tests compare against.
 """

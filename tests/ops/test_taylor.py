@@ -1,4 +1,5 @@
-"""The Taylor feature map and the claims of SPEC section 1 (claims 1 and 2 of section 6)."""
+"""The Taylor family (ops/taylor.py): its feature map against the one-product-per-monomial
+reference, and the claims of SPEC section 1 (claims 1 and 2 of section 6)."""
 
 import math
 
@@ -7,7 +8,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.attention_spec import taylor_feature_dim
-from hf_softmax_rnn.ops import attention, softmax_attention_reference, taylor_exp, taylor_features
+from hf_softmax_rnn.ops import attention, softmax_attention_reference, taylor_exp, taylor_features, taylor_features_reference
 
 from .helpers import make_inputs
 
@@ -85,12 +86,22 @@ def test_order_zero_denominator_is_visible_count():
         torch.testing.assert_close(g[..., 0], expected)
 
 
-@pytest.mark.parametrize("order", [2, 3])
-def test_gather_and_block_constructions_agree(order):
-    """The GPU construction (one gather) and the CPU one (block products): same features and gradients."""
-    x = torch.randn(4, 5, 6, dtype=torch.float64, requires_grad=True)
-    blocks, gathered = taylor_features(x, order, gather=False), taylor_features(x, order, gather=True)
-    torch.testing.assert_close(blocks, gathered, rtol=0, atol=0)
-    weights = torch.randn_like(blocks)
-    grads = [torch.autograd.grad((features * weights).sum(), x)[0] for features in (blocks, gathered)]
-    torch.testing.assert_close(*grads)
+@pytest.mark.parametrize("head_dim", [1, 2, 5, 8], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("order", [0, 1, 2, 3, 4], ids=lambda n: f"order{n}")
+def test_features_match_reference(head_dim, order):
+    """The fast construction (shifted products, gathers, hand-written backward) against one
+    product per monomial: same features, same gradients, odd and even head sizes."""
+    x = torch.randn(2, 3, 5, head_dim, dtype=torch.float64, requires_grad=True)
+    fast, slow = taylor_features(x, order), taylor_features_reference(x, order)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+    if order == 0:
+        return
+    weights = torch.randn_like(slow)
+    grads = [torch.autograd.grad((features * weights).sum(), x)[0] for features in (fast, slow)]
+    torch.testing.assert_close(*grads, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_features_gradcheck(order):
+    x = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: taylor_features(t, order), (x,))
