@@ -55,6 +55,7 @@ def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, 
     cuda = device.startswith("cuda")
 
     def call() -> float:
+        q.grad = k.grad = v.grad = None
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
             out, _ = attention(q, k, v, spec, mode=mode)
@@ -119,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--chunk-size", type=int, default=None, help="override the presets' chunk size")
-    parser.add_argument("--repeats", type=int, default=2, help="best-of repeats below 4096 tokens (1 above)")
+    parser.add_argument("--repeats", type=int, default=2, help="time the best of this many calls (machines with neighbours vary by 20%%)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
     args = parser.parse_args()
@@ -128,8 +129,7 @@ def main() -> None:
     results: dict[tuple[str, int, bool], dict] = {}
     jobs = [(case, n, bw) for case in CASES for n in args.lengths if n <= case[3] for bw in (False, True)]
     for (label, preset, mode, _), length, backward in tqdm(jobs, desc="bench_ops"):
-        repeats = args.repeats if length < 4096 or args.device != "cpu" else 1
-        results[label, length, backward] = _measure(preset, mode, length, backward, repeats, args.chunk_size, args.device)
+        results[label, length, backward] = _measure(preset, mode, length, backward, args.repeats, args.chunk_size, args.device)
 
     lines = [
         f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, float32, "
