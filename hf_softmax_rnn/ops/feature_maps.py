@@ -4,7 +4,9 @@ Shapes: queries arrive grouped as `[B, Hkv, G, L, D]` (G query heads per KV head
 keys as `[B, Hkv, L, D]`; learned per-head weights broadcast against those layouts
 (`hedgehog_q` as `[Hkv, G, D, F]`, `hedgehog_k` as `[Hkv, D, F]`).
 
-The Taylor feature map and its kernel live in `ops.taylor`.
+The Taylor feature map lives in `ops.taylor`. `chunk_kernel` hands the Taylor and elementwise
+maps to the hand-written chunked engine (`ops.chunked`); cosine and hedgehog take the generic
+chunked path through autograd (`ops.linear`).
 """
 
 from __future__ import annotations
@@ -31,21 +33,25 @@ def _hedgehog(x: torch.Tensor, spec: AttentionSpec, weight: torch.Tensor | None)
 
 FeatureMapFn = Callable[[torch.Tensor, AttentionSpec, "torch.Tensor | None"], torch.Tensor]
 
-#: name -> phi(x, spec, learned weight) for the maps whose kernel is phi(q).phi(k) times the scale.
-_PLAIN_FEATURE_MAPS: dict[str, FeatureMapFn] = {
-    "identity": lambda x, spec, weight: x,
-    "elu": lambda x, spec, weight: F.elu(x) + 1.0,
-    "relu": lambda x, spec, weight: F.relu(x),
-    "cosine": lambda x, spec, weight: F.normalize(x, dim=-1, eps=spec.norm_eps),
-    "hedgehog": _hedgehog,
-}
-
+ElementwiseFn = Callable[[torch.Tensor], torch.Tensor]
 
 #: name -> (phi, d phi / dx) for the elementwise maps, which the hand-written chunked engine runs.
-_ELEMENTWISE_MAPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+_ELEMENTWISE_MAPS: dict[str, tuple[ElementwiseFn, ElementwiseFn]] = {
     "identity": (lambda x: x.clone(), torch.ones_like),
     "elu": (lambda x: F.elu(x) + 1.0, lambda x: torch.where(x > 0, 1.0, x.exp())),
     "relu": (F.relu, lambda x: (x > 0).to(x.dtype)),
+}
+
+
+def _ignoring_spec(function: ElementwiseFn) -> FeatureMapFn:
+    return lambda x, spec, weight: function(x)
+
+
+#: name -> phi(x, spec, learned weight) for the maps whose kernel is phi(q).phi(k) times the scale.
+_PLAIN_FEATURE_MAPS: dict[str, FeatureMapFn] = {
+    **{name: _ignoring_spec(function) for name, (function, _) in _ELEMENTWISE_MAPS.items()},
+    "cosine": lambda x, spec, weight: F.normalize(x, dim=-1, eps=spec.norm_eps),
+    "hedgehog": _hedgehog,
 }
 
 
