@@ -76,7 +76,7 @@ class _Chunks:
         """`[B, Hkv, G, L, E]` -> `[n, B * Hkv, G * C, E]` (zero-padded to n * C positions)."""
         batch, kv_heads, groups, length, width = x.shape
         x = torch.nn.functional.pad(x, (0, 0, 0, self.chunks * self.chunk_size - length))
-        x = x.view(batch * kv_heads, groups, self.chunks, self.chunk_size, width).permute(2, 0, 1, 3, 4)
+        x = x.reshape(batch * kv_heads, groups, self.chunks, self.chunk_size, width).permute(2, 0, 1, 3, 4)
         return x.reshape(self.chunks, batch * kv_heads, groups * self.chunk_size, width)
 
     def restore(self, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -104,7 +104,7 @@ class _ChunkedKernelAttention(torch.autograd.Function):
             phi_q = kernel.features(chunks.q[c], query_scratch, query=True)
             phi_k = kernel.features(chunks.k[c], key_scratch, query=False)
             intra = chunks.masked(kernel.scores(chunks.q[c], chunks.k[c], phi_q, phi_k, scratch))
-            torch.baddbmm(intra @ chunks.v[c], phi_q.mT, running, out=out[c])
+            torch.bmm(phi_q.mT, running, out=out[c]).baddbmm_(intra, chunks.v[c])
             exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", (bt, feature_dim, width), q))
             if running is not exact:
                 running.copy_(exact)
@@ -159,5 +159,6 @@ def chunked_kernel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: ChunkKernel, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
-    Memory is flat in L apart from O(L D) copies of the inputs and their gradients."""
-    return _ChunkedKernelAttention.apply(q, k, v, state, kernel, chunk_size)
+    Memory is flat in L apart from O(L D) copies of the inputs and their gradients. A call
+    shorter than `chunk_size` runs as one chunk of its own length (no padding)."""
+    return _ChunkedKernelAttention.apply(q, k, v, state, kernel, max(1, min(chunk_size, q.shape[-2])))

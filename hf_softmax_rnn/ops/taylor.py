@@ -148,13 +148,12 @@ def _order2_rows_backward(xt: torch.Tensor, grad: torch.Tensor, scratch: Scratch
     return grad_x
 
 
-def feature_rows(xt: torch.Tensor, order: int, scratch: Scratch | None = None, name: str = "features") -> torch.Tensor:
+def feature_rows(xt: torch.Tensor, order: int, scratch: Scratch, name: str = "features") -> torch.Tensor:
     """phi_N feature-major: `[Bt, D, T] -> [Bt, F, T]`, built in `scratch` buffers.
 
     Order 2 is x times shifted copies of x; order n >= 3 is (rows of order n-1, gathered) *
-    (rows of [x / sqrt(1); ...; x / sqrt(N)], gathered), and those gathered factors stay in
-    `scratch` for `feature_rows_backward`."""
-    scratch = scratch or Scratch()
+    (rows of [x / sqrt(1); ...; x / sqrt(N)], gathered). What the backward needs (the doubled
+    x, the gathered factors) stays in `scratch` for `feature_rows_backward`."""
     batch, head_dim, tokens = xt.shape
     offsets = _order_offsets(head_dim, order)
     features = scratch(name, (batch, offsets[-1], tokens), xt)
@@ -177,28 +176,31 @@ def feature_rows(xt: torch.Tensor, order: int, scratch: Scratch | None = None, n
 
 def feature_rows_backward(xt: torch.Tensor, grad: torch.Tensor, order: int, scratch: Scratch, name: str = "features") -> torch.Tensor:
     """Vector-Jacobian product of the last `feature_rows(xt, order, scratch, name)`: grad
-    `[Bt, F, T]` -> `[Bt, D, T]` (a new tensor). Reuses, and overwrites, its gathered factors."""
+    `[Bt, F, T]` -> `[Bt, D, T]` (a new tensor). Reuses its gathered factors and leaves them
+    as they were, so it may run more than once (retain_graph)."""
     batch, head_dim, tokens = xt.shape
-    if order < 2:
-        return grad[:, 1 : 1 + head_dim].clone() if order == 1 else torch.zeros_like(xt)
+    if order == 0:
+        return torch.zeros_like(xt)
+    grad_x = grad[:, 1 : 1 + head_dim].clone()
+    if order == 1:
+        return grad_x
     offsets = _order_offsets(head_dim, order)
-    lower = offsets[order]
-    grad_lower = scratch(f"{name}.grad_lower", (batch, lower, tokens), xt)
-    grad_lower.copy_(grad[:, :lower])
-    grad_x = grad_lower[:, 1 : 1 + head_dim].clone()
+    grad_2 = grad[:, offsets[2] : offsets[3]]
     if order >= 3:
+        lower = offsets[order]
+        grad_lower = scratch(f"{name}.grad_lower", (batch, lower, tokens), xt)
+        grad_lower.copy_(grad[:, :lower])
         grad_scaled = scratch(f"{name}.grad_scaled", (batch, order, head_dim, tokens), xt).zero_()
         for n in range(order, 2, -1):
             grad_n = (grad if n == order else grad_lower)[:, offsets[n] : offsets[n + 1]]
             parent_rows, factor_rows = _recursion_rows(head_dim, n, order, batch, lower, xt.device)
-            right = scratch.get(f"{name}.right{n}")
-            right.view(batch, -1, tokens).mul_(grad_n)
-            grad_lower.view(-1, tokens).index_add_(0, parent_rows, right)
-            left = scratch.get(f"{name}.left{n}")
-            left.view(batch, -1, tokens).mul_(grad_n)
-            grad_scaled.view(-1, tokens).index_add_(0, factor_rows, left)
+            product = scratch(f"{name}.product{n}", tuple(grad_n.shape), xt)
+            torch.mul(scratch.get(f"{name}.right{n}").view_as(product), grad_n, out=product)
+            grad_lower.view(-1, tokens).index_add_(0, parent_rows, product.view(-1, tokens))
+            torch.mul(scratch.get(f"{name}.left{n}").view_as(product), grad_n, out=product)
+            grad_scaled.view(-1, tokens).index_add_(0, factor_rows, product.view(-1, tokens))
         grad_x += (grad_scaled * _divisors(order, xt.dtype, xt.device)).sum(1)
-    grad_2 = (grad if order == 2 else grad_lower)[:, offsets[2] : offsets[3]]
+        grad_2 = grad_lower[:, offsets[2] : offsets[3]]
     return grad_x.add_(_order2_rows_backward(xt, grad_2, scratch, name))
 
 
@@ -207,9 +209,10 @@ class _TaylorFeatures(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, order: int) -> torch.Tensor:
         *lead, tokens, head_dim = x.shape
         xt = x.reshape(-1, tokens, head_dim).transpose(1, 2).contiguous()
-        features = feature_rows(xt, order)
+        scratch = Scratch()
+        features = feature_rows(xt, order, scratch)
         ctx.save_for_backward(xt)
-        ctx.order, ctx.x_shape = order, x.shape
+        ctx.order, ctx.x_shape, ctx.scratch = order, x.shape, scratch
         return features.transpose(1, 2).view(*lead, tokens, features.shape[1])
 
     @staticmethod
@@ -218,9 +221,8 @@ class _TaylorFeatures(torch.autograd.Function):
         (xt,) = ctx.saved_tensors
         batch, _, tokens = xt.shape
         grad = grad.reshape(batch, tokens, grad.shape[-1]).transpose(1, 2).contiguous()
-        scratch = Scratch()
-        feature_rows(xt, ctx.order, scratch)
-        return feature_rows_backward(xt, grad, ctx.order, scratch).transpose(1, 2).reshape(ctx.x_shape), None
+        grad_x = feature_rows_backward(xt, grad, ctx.order, ctx.scratch)
+        return grad_x.transpose(1, 2).reshape(ctx.x_shape), None
 
 
 def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:

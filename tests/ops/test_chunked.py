@@ -87,3 +87,15 @@ def test_float32_gradients_over_many_chunks():
     for got, want in zip(found, reference):
         assert relative(got, want) < 3e-6
     assert relative(found[1][..., :256, :], reference[1][..., :256, :]) < 4e-7
+
+
+@pytest.mark.parametrize("length", [8, 6], ids=["whole-chunks", "padded"])
+def test_engine_takes_strided_inputs(length):
+    """q, k, v as transposed views (as the layers hand them over), with and without padding."""
+    spec = KERNEL_SPECS["taylor2"]
+    q, k, v, state = (x.detach() for x in _inputs(spec, length))
+    strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
+    assert not any(x.is_contiguous() for x in strided)
+    kernel = chunk_kernel(spec, 0.3)
+    for got, want in zip(chunked_kernel_attention(*strided, state, kernel, 4), chunked_kernel_attention(q, k, v, state, kernel, 4)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
