@@ -67,9 +67,9 @@ class AttentionSpec:
         taylor_order: for recurrent_softmax, None = exact exp, N >= 0 = exp truncated at
             order N (a finite RNN). For linear with feature_map="taylor", the order of phi_N.
         feature_map: for linear only: identity, elu (elu+1), relu, cosine, taylor, hedgehog.
-        normalizer: how N_t (the numerator) becomes the output; see NORMALIZERS and SPEC s.2.
+        normalizer: how N_t (the numerator) becomes the output; see NORMALIZERS and docs/design.md.
         score_clamp: exp(min(x, c)) (or kernel clamped at c); None = no clamp.
-        input_gate / output_gate: sigmoid gates from the layer input (SPEC s.2).
+        input_gate / output_gate: sigmoid gates from the layer input (docs/design.md).
         output_gate_position: "after_norm" (default) or "before_norm" (inert before an
             invariant norm, kept for the paper's ablation).
         chunk_size: chunk length C of the chunked mode.
@@ -78,6 +78,10 @@ class AttentionSpec:
         hedgehog_dim: feature width of the hedgehog map before the [Wx, -Wx] doubling;
             None = head_dim.
         norm_eps: epsilon of the l2, rms and layer normalisers.
+        window: W for a sliding-window hybrid: the last W positions (the query's own included)
+            are scored with the exact exp(q.k), older ones with the finite-state kernel, under one
+            normaliser (finite-state kernels and row-scale-invariant normalisers only); None = no
+            window. Decoding keeps the W keys and values beside the recurrent state.
     """
 
     kind: str = "softmax"
@@ -92,12 +96,14 @@ class AttentionSpec:
     qk_scale: float | None = None
     hedgehog_dim: int | None = None
     norm_eps: float = 1e-6
+    window: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
+        self._check_types()
         if self.kind not in KINDS:
             raise _choice_error("kind", self.kind, KINDS)
         if self.normalizer not in NORMALIZERS:
@@ -120,6 +126,8 @@ class AttentionSpec:
             raise ValueError(f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed; expected None or an int >= 1")
         if not self.norm_eps > 0:
             raise ValueError(f"AttentionSpec.norm_eps={self.norm_eps!r} is not allowed; expected a float > 0")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"AttentionSpec.window={self.window!r} is not allowed; expected None or an int >= 1")
 
         if self.kind == "softmax":
             for name, default in (
@@ -159,12 +167,36 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed with feature_map={self.feature_map!r}; expected None"
             )
+        if self.window is not None:
+            self._validate_window()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
                 f"some scores, so normalizer={self.normalizer!r} can divide by ~0. Use an even order or normalizer='l2'.",
                 stacklevel=3,
             )
+
+    def _check_types(self) -> None:
+        """Each field has its declared type (a config.json with "false" or 2.0 in it raises here)."""
+        for name, allowed, words in _FIELD_TYPES:
+            value = getattr(self, name)
+            if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+                raise TypeError(f"AttentionSpec.{name}={value!r} has type {type(value).__name__}; expected {words}")
+
+    def _validate_window(self) -> None:
+        if self.is_exact_exp:
+            raise ValueError(
+                f"AttentionSpec.window={self.window} is not allowed with {self.describe()}: a window splits a finite-state "
+                "kernel into exact exp over the last W positions and the kernel beyond them; plain sliding-window "
+                "attention is not offered. Use kind='linear' (a feature map) or kind='recurrent_softmax' with a taylor_order"
+            )
+        if self.normalizer not in ROW_SCALE_INVARIANT_NORMALIZERS:
+            raise ValueError(
+                f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with window={self.window}; expected one of "
+                f"{list(ROW_SCALE_INVARIANT_NORMALIZERS)} (the exact part is computed shifted by its row maximum)"
+            )
+        if self.score_clamp is not None:
+            raise ValueError(f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; expected None")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -207,9 +239,10 @@ class AttentionSpec:
         return head_dim
 
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
-        """Bytes of the recurrent state (S and z) of one KV head."""
+        """Bytes of the recurrent state of one KV head: S and z, plus the window's keys and values."""
         value_dim = head_dim if value_dim is None else value_dim
-        return self.feature_dim(head_dim) * (value_dim + 1) * bytes_per_element
+        window = (self.window or 0) * (head_dim + value_dim + 1)
+        return (self.feature_dim(head_dim) * (value_dim + 1) + window) * bytes_per_element
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         """Raise a clear error if `mode` cannot compute this spec for this head size."""
@@ -256,6 +289,8 @@ class AttentionSpec:
             parts.append("input gate")
         if self.output_gate:
             parts.append(f"output gate ({self.output_gate_position.replace('_', ' ')})")
+        if self.window is not None:
+            parts.insert(1, f"exact exp over the last {self.window} positions")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -291,8 +326,26 @@ class AttentionSpec:
 
 _C = 5.0
 _RS = "recurrent_softmax"
+_OPTIONAL_INT = (int, type(None))
+_NUMBER = (int, float)
+#: (field, allowed types, in words) for the type check of every field.
+_FIELD_TYPES = (
+    ("kind", (str,), "a string"),
+    ("taylor_order", _OPTIONAL_INT, "None or an int"),
+    ("feature_map", (str, type(None)), "None or a string"),
+    ("normalizer", (str,), "a string"),
+    ("score_clamp", (*_NUMBER, type(None)), "None or a number"),
+    ("input_gate", (bool,), "true or false"),
+    ("output_gate", (bool,), "true or false"),
+    ("output_gate_position", (str,), "a string"),
+    ("chunk_size", (int,), "an int"),
+    ("qk_scale", (*_NUMBER, type(None)), "None or a number"),
+    ("hedgehog_dim", _OPTIONAL_INT, "None or an int"),
+    ("norm_eps", _NUMBER, "a number"),
+    ("window", _OPTIONAL_INT, "None or an int"),
+)
 
-# name -> (description, fields). The authors' names (SPEC section 4).
+# name -> (description, fields): the authors' names, then recipes for converting pretrained models.
 _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "softmax": ("exact softmax attention", dict(kind="softmax")),
     "softmax_taylor_80terms": (
@@ -400,6 +453,22 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "linear_hedgehog": (
         "linear attention with the learned hedgehog feature map (softmax over [Wx, -Wx])",
         dict(kind="linear", feature_map="hedgehog"),
+    ),
+    "hedgehog_window_64": (
+        "exact softmax over the last 64 positions, learned hedgehog linear attention beyond, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64),
+    ),
+    "hedgehog_window_64_l2": (
+        "exp over the last 64 positions, hedgehog linear attention beyond, L2 norm in place of the denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, normalizer="l2"),
+    ),
+    "taylor_2_window_64": (
+        "exact softmax over the last 64 positions, order-2 Taylor exp beyond, one denominator",
+        dict(kind=_RS, taylor_order=2, window=64),
+    ),
+    "taylor_2_l2_window_64": (
+        "exp over the last 64 positions, order-2 Taylor exp beyond, L2 norm in place of the denominator",
+        dict(kind=_RS, taylor_order=2, window=64, normalizer="l2"),
     ),
 }
 

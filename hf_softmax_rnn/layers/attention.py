@@ -19,10 +19,8 @@ pretrained weights and PEFT targets work unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -37,6 +35,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
 from hf_softmax_rnn.ops.attention import attention
+from hf_softmax_rnn.ops.kernels import AttentionParams
 from hf_softmax_rnn.ops.softmax import softmax_attention
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ _NORMALIZER_PARAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "seqlen_layer": {"norm_weight": ("H", "Dv"), "norm_bias": ("H", "Dv")},
     "seqlen_pow": {"seqlen_power": ("H",)},
 }
-_PARAM_INIT_VALUES = {"norm_weight": 1.0, "norm_bias": 0.0, "seqlen_power": SEQLEN_POWER_INIT}
+_PARAM_INIT_VALUES = {"norm_weight": 1.0, "norm_bias": 0.0, "seqlen_power": SEQLEN_POWER_INIT, "linear_log_scale": 0.0}
 
 
 class RNNParams(nn.Module):
@@ -67,13 +66,15 @@ class RNNParams(nn.Module):
     - `norm_weight`, `norm_bias` `[H, Dv]`: rms / layer normalisers.
     - `seqlen_power` `[H]`: logit of the exponent of the seqlen_pow normaliser.
     - `hedgehog_q` `[H, D, F]`, `hedgehog_k` `[Hkv, D, F]`: hedgehog feature maps.
+    - `linear_log_scale` `[H]`: with a sliding window, the log weight of the finite-state part.
 
     Initialisation (`reset_parameters`, also what `convert` gives a pretrained model):
     gate weights 0 and bias `GATE_BIAS_INIT`, so each gate is the constant 0.993 until
     trained (the output is scaled by 0.993, not by a token-dependent factor); norm weight 1
     and bias 0 (the plain normaliser); seqlen power `SEQLEN_POWER_INIT`; hedgehog maps the
     identity `eye(D, F)` per head, so phi(x) = [softmax(x), softmax(-x)] starts as the
-    Hedgehog paper's initialisation, to be fitted to softmax by attention transfer.
+    Hedgehog paper's initialisation, to be fitted to softmax by attention transfer; the
+    window's linear log weight 0 (the finite-state part weighs as the kernel says).
     """
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
@@ -90,6 +91,9 @@ class RNNParams(nn.Module):
             self.hedgehog_q = nn.Parameter(torch.empty(num_heads, head_dim, width))
             self.hedgehog_k = nn.Parameter(torch.empty(num_kv_heads, head_dim, width))
             self._tensor_names += ["hedgehog_q", "hedgehog_k"]
+        if spec.window is not None:
+            self.linear_log_scale = nn.Parameter(torch.empty(num_heads))
+            self._tensor_names.append("linear_log_scale")
         self.reset_parameters()
 
     @torch.no_grad()
@@ -114,19 +118,19 @@ class RNNParams(nn.Module):
                 gates[name] = torch.sigmoid(gate(hidden_states)).transpose(1, 2)
         return gates
 
-    def op_params(self) -> dict[str, torch.Tensor]:
-        """The learned tensors by the names `ops.attention(params=...)` expects."""
-        return {name: getattr(self, name) for name in self._tensor_names}
+    def op_params(self) -> AttentionParams:
+        """The learned tensors as `ops.attention(params=...)` takes them."""
+        return AttentionParams(**{name: getattr(self, name) for name in self._tensor_names})
 
 
 class SoftmaxRNNAttentionMixin:
     """The shared attention core: subclasses compute q `[B, H, L, D]`, k, v `[B, Hkv, L, D]`
     and call `softmax_rnn_attention`, which returns the pre-projection output `[B, L, H * D]`.
 
-    Attributes set by `init_softmax_rnn`: `attention_spec` (as configured), `op_spec` (what
-    the ops compute: the qk scale resolved to the module's `scaling`, the input gate applied
-    here so that cached values are gated), `uses_recurrent_state`, `attention_mode`,
-    `rnn_params`, and for attention transfer `attention_transfer` / `transfer_loss`.
+    Attributes set by `init_softmax_rnn`: `attention_spec`, `uses_recurrent_state`,
+    `attention_mode`, `rnn_params`, and for attention transfer `attention_transfer`,
+    `teacher_forcing` and `transfer_loss`. The input gate is applied here (so that cached
+    values are gated); the ops get the module's `scaling` as the softmax scale.
     Subclasses name the modules that make q, k and v in `QKV_PROJECTIONS` and compute them in
     `project_qkv`, so that a frozen copy of those weights can feed the transfer teacher.
     """
@@ -139,14 +143,11 @@ class SoftmaxRNNAttentionMixin:
         if attention_mode not in NO_CACHE_MODES:
             raise ValueError(f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}")
         self.attention_spec = spec
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the spec already warned once when it was built
-            scale = spec.qk_scale if spec.qk_scale is not None else self.scaling
-            self.op_spec = dataclasses.replace(spec, qk_scale=scale, input_gate=False)
         self.uses_recurrent_state = spec.fits_recurrent_state(head_dim)
         self.attention_mode = attention_mode if self.uses_recurrent_state else "parallel"
         self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
         self.attention_transfer = False
+        self.teacher_forcing = True
         self.transfer_loss: torch.Tensor | None = None
         self.has_frozen_teacher = False
 
@@ -197,45 +198,47 @@ class SoftmaxRNNAttentionMixin:
         gates = self.rnn_params.gates(hidden_states)
         input_gate = gates.pop("input", None)
         gated_value = value if input_gate is None else value * input_gate.unsqueeze(-1).to(value.dtype)
-        common = dict(attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params())
+        common = dict(attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling)
+        spec = self.attention_spec
         if cache is None:
-            out, _ = attention(query, key, gated_value, self.op_spec, mode=self.attention_mode, **common)
+            out, _ = attention(query, key, gated_value, spec, mode=self.attention_mode, **common)
             if self.attention_transfer:
-                if self.has_frozen_teacher and teacher_qkv is None:
-                    raise ValueError("attention transfer with a frozen teacher needs `teacher_qkv`")
-                with torch.no_grad():
-                    teacher = teacher_qkv() if self.has_frozen_teacher else (query, key, value)
-                self.transfer_loss = self._transfer_loss(out, *teacher, attention_mask)
+                teacher = self._teacher_output(query, key, value, attention_mask, teacher_qkv)
+                self.transfer_loss = self._transfer_loss(out, teacher, attention_mask)
+                if self.teacher_forcing:
+                    out = teacher.to(out.dtype)
         elif self.attention_transfer:
             raise ValueError("attention transfer compares full sequences; call the model with use_cache=False")
         elif self.uses_recurrent_state:
             layer = recurrent_state_layer(cache, self.layer_idx)
             mode = "recurrent" if length == 1 and layer.state is not None else "chunked"
-            out, state = attention(query, key, gated_value, self.op_spec, mode=mode, state=layer.state, **common)
+            out, state = attention(query, key, gated_value, spec, mode=mode, state=layer.state, **common)
             layer.update_state(state, length)
         else:
             key, gated_value = cache.update(key, gated_value, self.layer_idx)
-            out, _ = attention(query, key, gated_value, self.op_spec, mode="parallel", **common)
+            out, _ = attention(query, key, gated_value, spec, mode="parallel", **common)
         return out.transpose(1, 2).reshape(batch, length, -1)
 
-    def _transfer_loss(
-        self,
-        student: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """MSE (in float32 or wider) between this layer's output and exact causal softmax on the teacher's
-        q, k, v (no grad), over non-padded query positions. Outputs `[B, H, L, D]`."""
+    @torch.no_grad()
+    def _teacher_output(self, query, key, value, attention_mask, teacher_qkv) -> torch.Tensor:
+        """Exact causal softmax `[B, H, L, D]` on the layer's q, k, v, or on those of the frozen
+        teacher projections when they train."""
+        if self.has_frozen_teacher:
+            if teacher_qkv is None:
+                raise ValueError("attention transfer with a frozen teacher needs `teacher_qkv`")
+            query, key, value = teacher_qkv()
         key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
-        with torch.no_grad():
-            teacher = softmax_attention(query, key, value, key_mask, self.scaling)
+        return softmax_attention(query, key, value, key_mask, self.scaling)
+
+    def _transfer_loss(self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """MSE (in float32 or wider) between this layer's output and the teacher's, over non-padded
+        query positions. Outputs `[B, H, L, D]`."""
+        key_mask = None if attention_mask is None else attention_mask[:, -student.shape[-2] :].bool()
         dtype = torch.promote_types(student.dtype, torch.float32)
         student, teacher = student.to(dtype), teacher.to(dtype)
         if key_mask is None:
             return F.mse_loss(student, teacher)
-        weight = key_mask[:, None, -query.shape[-2] :, None].to(dtype)
+        weight = key_mask[:, None, :, None].to(dtype)
         squared = (student - teacher).pow(2) * weight
         return squared.sum() / (weight.sum() * student.shape[1] * student.shape[-1]).clamp_min(1.0)
 
@@ -349,12 +352,16 @@ def _converted_modules(model: nn.Module) -> list[SoftmaxRNNAttentionMixin]:
     return modules
 
 
-def set_attention_transfer(model: nn.Module, enabled: bool, *, trained: Iterable[str] = ()) -> None:
+def set_attention_transfer(
+    model: nn.Module, enabled: bool, *, trained: Iterable[str] = (), teacher_forcing: bool = True
+) -> None:
     """Turn attention transfer on or off for every converted layer.
 
     While on, each converted layer also computes exact causal softmax attention (the teacher,
     no grad) and stores `mse(student, teacher)` of the pre-o_proj outputs in
-    `module.transfer_loss` (forward with `use_cache=False`). `trained` names the layer's
+    `module.transfer_loss` (forward with `use_cache=False`). With `teacher_forcing` the layer
+    passes the teacher's output on, so every layer sees the original model's hidden states and
+    its loss reaches only its own parameters; without, the student's output flows on. `trained` names the layer's
     submodules that will train; if it includes a q/k/v projection (`QKV_PROJECTIONS`), the
     teacher uses a copy of those weights taken now, else it would move with the student (and
     both could collapse to the same trivial attention). Otherwise it shares the layer's q, k, v.
@@ -362,6 +369,7 @@ def set_attention_transfer(model: nn.Module, enabled: bool, *, trained: Iterable
     trained = set(trained)
     for module in _converted_modules(model):
         module.attention_transfer = bool(enabled)
+        module.teacher_forcing = bool(teacher_forcing)
         module.transfer_loss = None
         module.freeze_teacher(bool(enabled and trained & set(module.QKV_PROJECTIONS)))
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
-from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
-from hf_softmax_rnn.ops.feature_maps import chunk_kernel
+from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.grouping import grouped_matmul
+from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
 from hf_softmax_rnn.ops.softmax import softmax_attention
+from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -26,10 +28,16 @@ class RecurrentState:
     `packed` `[B, Hkv, F, Dv + 1]` holds S = sum_s phi(k_s) v_s^T in its first Dv columns
     and z = sum_s phi(k_s) in the last, so that decoding updates one tensor in place of
     two; `t` `[B]` counts the visible (non-padding) positions so far.
+    A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
+    `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
+    zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
     """
 
     packed: torch.Tensor
     t: torch.Tensor
+    window_keys: torch.Tensor | None = None
+    window_values: torch.Tensor | None = None
+    window_valid: torch.Tensor | None = None
 
     @property
     def S(self) -> torch.Tensor:
@@ -42,19 +50,34 @@ class RecurrentState:
         return self.packed[..., -1]
 
     @classmethod
-    def zeros(cls, batch: int, kv_heads: int, feature_dim: int, value_dim: int, device=None, dtype=None) -> "RecurrentState":
-        return cls(
+    def zeros(
+        cls, batch: int, kv_heads: int, feature_dim: int, head_dim: int, value_dim: int, window: int | None = None,
+        device=None, dtype=None,
+    ) -> "RecurrentState":
+        """The state before any position (an empty window buffer when `window` is set)."""
+        state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
         )
+        if window is not None:
+            state.window_keys = torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype)
+            state.window_values = torch.zeros(batch, kv_heads, window, value_dim + 1, device=device, dtype=dtype)
+            state.window_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+        return state
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, field.name) for field in dataclasses.fields(self) if getattr(self, field.name) is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.packed, self.t))
+        return sum(x.numel() * x.element_size() for x in self.tensors())
 
-    def map(self, fn) -> "RecurrentState":
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RecurrentState":
         """Apply `fn` to each tensor (index_select, repeat_interleave, ...) along the batch."""
-        return RecurrentState(fn(self.packed), fn(self.t))
+        return RecurrentState(**{
+            field.name: None if getattr(self, field.name) is None else fn(getattr(self, field.name))
+            for field in dataclasses.fields(self)
+        })
 
 
 def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> None:
@@ -77,13 +100,29 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
         raise ValueError(f"attention_mask must be a 2-D padding mask [B, L_total]; got shape {tuple(attention_mask.shape)}")
     if attention_mask is not None and attention_mask.shape[1] < k.shape[-2]:
         raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys")
-    for name, wanted in (("input", spec.input_gate), ("output", spec.output_gate)):
-        if wanted and name not in gates:
-            raise ValueError(f"{spec.describe()} needs gates[{name!r}]; got gates with keys {sorted(gates)}")
-    if spec.effective_feature_map == "hedgehog" and not {"hedgehog_q", "hedgehog_k"} <= set(params):
-        raise ValueError("feature_map='hedgehog' needs params['hedgehog_q'] [H, D, F] and params['hedgehog_k'] [Hkv, D, F]")
-    if spec.normalizer == "seqlen_pow" and "seqlen_power" not in params:
-        raise ValueError("normalizer='seqlen_pow' needs params['seqlen_power'] [H] (the learned exponent logit)")
+    unknown = sorted(set(gates) - {"output"})
+    if unknown:
+        raise ValueError(f"attention: unknown gates {unknown}; expected only 'output' (the caller gates v itself)")
+    if spec.output_gate and "output" not in gates:
+        raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    if spec.window is not None and params.linear_log_scale is None:
+        raise ValueError(f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)")
+    if state is not None:
+        _check_state(state, q, k, v, spec)
+
+
+def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
+    """A state from another spec, head size or batch raises here, naming what differs."""
+    expected = (q.shape[0], k.shape[1], spec.feature_dim(q.shape[-1]), v.shape[-1] + 1)
+    if tuple(state.packed.shape) != expected:
+        raise ValueError(
+            f"attention: the state has shape {tuple(state.packed.shape)} but {spec.describe()} with batch {q.shape[0]}, "
+            f"{k.shape[1]} KV heads and head_dim {q.shape[-1]} needs [B, Hkv, F, Dv + 1] = {list(expected)}"
+        )
+    has_window = state.window_keys is not None
+    if has_window != (spec.window is not None) or (has_window and state.window_keys.shape[2] != spec.window):
+        found = state.window_keys.shape[2] if has_window else None
+        raise ValueError(f"attention: the state holds a window of {found} positions but the spec has window={spec.window}")
 
 
 def attention(
@@ -96,7 +135,8 @@ def attention(
     attention_mask: torch.Tensor | None = None,
     gates: Mapping[str, torch.Tensor] | None = None,
     state: RecurrentState | None = None,
-    params: Mapping[str, torch.Tensor] | None = None,
+    params: AttentionParams | None = None,
+    scale: float | None = None,
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
@@ -104,27 +144,29 @@ def attention(
     Args:
         q: `[B, H, L, D]` queries (after RoPE); H a multiple of Hkv.
         k, v: `[B, Hkv, Lk, D]` keys and values. In parallel mode Lk >= L and the queries are
-            the last L positions (decoding from a KV cache); otherwise Lk == L.
+            the last L positions (decoding from a KV cache); otherwise Lk == L. With
+            `spec.input_gate` the caller passes the gated values (so that a KV cache holds them).
         spec: the attention variant.
         mode: "parallel" (masked L x L, every variant), "chunked" or "recurrent" (finite
             state only: linear feature maps or Taylor order N, no score clamp).
         attention_mask: `[B, L_total]` padding mask (1 = token, 0 = padding; left padding
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
-        gates: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`} sigmoid gate values, as the spec asks.
+        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate.
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
-        params: learned tensors of the variant: "norm_weight"/"norm_bias" `[H, Dv]`,
-            "seqlen_power" `[H]`, "hedgehog_q" `[H, D, F]`, "hedgehog_k" `[Hkv, D, F]`.
+        params: the learned tensors the spec needs (`AttentionParams`).
+        scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
+            the kernel unless `spec.qk_scale` sets its own.
         max_state_bytes: largest per-KV-head state the finite modes accept.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState or None in parallel mode)`.
     """
-    gates, params = gates or {}, params or {}
+    gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params)
     spec.check_mode(mode, q.shape[-1], max_state_bytes)
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
-    scale = spec.scale(head_dim)
+    softmax_scale = head_dim**-0.5 if scale is None else scale
     key_len = k.shape[-2] if mode == "parallel" else length
     if attention_mask is None:
         key_mask = torch.ones(batch, key_len, dtype=torch.bool, device=q.device)
@@ -132,37 +174,32 @@ def attention(
         key_mask = attention_mask[:, -key_len:].bool()
 
     if spec.kind == "softmax":
-        return softmax_attention(q, k, v, None if attention_mask is None else key_mask, scale), None
+        return softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale), None
 
     out_dtype = q.dtype
     compute_dtype = torch.float32 if out_dtype in _HALF_DTYPES else out_dtype
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
-    if spec.input_gate:
-        v = v * gates["input"].unsqueeze(-1).to(compute_dtype)
+    kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
 
     new_state = None
     if mode == "parallel":
-        scores = parallel_scores(grouped_q, k, key_mask, spec, params)
+        scores = parallel_scores(grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale)
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:
-        token = key_mask.to(compute_dtype)[:, None, :, None]
-        augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * token
         if state is None:
-            state = RecurrentState.zeros(batch, kv_heads, spec.feature_dim(head_dim), value_dim, q.device, compute_dtype)
-        packed = state.packed.to(compute_dtype)
-        kernel = chunk_kernel(spec, scale) if mode == "chunked" else None
-        if kernel is not None:
-            augmented, packed = chunked_kernel_attention(grouped_q, k, augmented_v, packed, kernel, spec.chunk_size)
-        elif mode == "chunked":
-            augmented, packed = chunked_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params, spec.chunk_size)
-        else:
-            augmented, packed = recurrent_linear_attention(grouped_q, k, augmented_v, packed, spec, scale, params)
+            state = RecurrentState.zeros(
+                batch, kv_heads, spec.feature_dim(head_dim), head_dim, value_dim, spec.window, q.device, compute_dtype
+            )
+        augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
+        augmented, new_state = _finite_state(
+            grouped_q, k, augmented_v, key_mask, state, kernel, mode, spec, softmax_scale, params.linear_log_scale
+        )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
-        new_state = RecurrentState(packed=packed, t=visible[:, 0, -1])
+        new_state.t = visible[:, 0, -1]
 
     out = normalize(
         numerator.reshape(batch, heads, length, value_dim),
@@ -173,3 +210,43 @@ def attention(
         gates.get("output") if spec.output_gate else None,
     )
     return out.to(out_dtype), new_state
+
+
+def _finite_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    augmented_v: torch.Tensor,
+    key_mask: torch.Tensor,
+    state: RecurrentState,
+    kernel: FeatureKernel,
+    mode: str,
+    spec: AttentionSpec,
+    window_scale: float,
+    linear_log_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, RecurrentState]:
+    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
+    state (its `t` is set by the caller). With a window, the finite-state part reads the keys
+    that leave the window (the buffer first), and the exact part the window itself."""
+    packed = state.packed.to(q.dtype)
+    length = q.shape[-2]
+    if spec.window is None:
+        keys, values = k, augmented_v
+    else:
+        keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
+        values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
+    if mode == "chunked":
+        linear, packed = chunked_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size)
+    else:
+        linear, packed = recurrent_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel)
+    if spec.window is None:
+        return linear, RecurrentState(packed=packed, t=state.t)
+    valid = torch.cat([state.window_valid, key_mask], dim=-1)
+    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
+    new_state = RecurrentState(
+        packed=packed,
+        t=state.t,
+        window_keys=keys[..., -spec.window :, :].clone(),
+        window_values=values[..., -spec.window :, :].clone(),
+        window_valid=valid[:, -spec.window :].clone(),
+    )
+    return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state

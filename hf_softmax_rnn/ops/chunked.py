@@ -44,19 +44,19 @@ class Scratch:
 class ChunkKernel(Protocol):
     """A kernel k(q, s) = phi(q).phi(s) as the chunked engine needs it."""
 
-    def features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+    def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         """phi of one chunk, x `[Bt, T, D]` -> `[Bt, F, T]` (a `scratch` buffer)."""
 
-    def features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        """d x `[Bt, T, D]` from d phi `[Bt, F, T]`, for the last `features` call on `scratch`."""
+    def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+        """d x `[Bt, T, D]` from d phi `[Bt, F, T]`, for the last `chunk_features` call on `scratch`."""
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    def chunk_scores(self, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """k(q_t, k_s) within a chunk `[Bt, T, C]` (unmasked; the caller may overwrite it)."""
 
-    def scores_backward(
+    def chunk_scores_backward(
         self, d_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(d q, d k, d phi(q), d phi(k)) from d scores, after the last `scores` call; None where
+        """(d q, d k, d phi(q), d phi(k)) from d scores, after the last `chunk_scores` call; None where
         the kernel sends nothing (it reaches q and k either directly or through the features)."""
 
 
@@ -101,9 +101,9 @@ class _ChunkedKernelAttention(torch.autograd.Function):
         running = exact if state.dtype == torch.float64 else exact.to(state.dtype)
         out = q.new_empty(chunks.chunks, bt, chunks.q.shape[2], width)
         for c in range(chunks.chunks):
-            phi_q = kernel.features(chunks.q[c], query_scratch, query=True)
-            phi_k = kernel.features(chunks.k[c], key_scratch, query=False)
-            intra = chunks.masked(kernel.scores(chunks.q[c], chunks.k[c], phi_q, phi_k, scratch))
+            phi_q = kernel.chunk_features(chunks.q[c], query_scratch, query=True)
+            phi_k = kernel.chunk_features(chunks.k[c], key_scratch, query=False)
+            intra = chunks.masked(kernel.chunk_scores(chunks.q[c], chunks.k[c], phi_q, phi_k, scratch))
             torch.bmm(phi_q.mT, running, out=out[c]).baddbmm_(intra, chunks.v[c])
             exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", (bt, feature_dim, width), q))
             if running is not exact:
@@ -128,8 +128,8 @@ class _ChunkedKernelAttention(torch.autograd.Function):
         d_state = d_final_state.reshape(bt, feature_dim, width).clone()
         for c in reversed(range(n)):
             qc, kc, vc, doc = chunks.q[c], chunks.k[c], chunks.v[c], d_out[c]
-            phi_k = kernel.features(kc, key_scratch, query=False)
-            phi_q = kernel.features(qc, query_scratch, query=True)
+            phi_k = kernel.chunk_features(kc, key_scratch, query=False)
+            phi_q = kernel.chunk_features(qc, query_scratch, query=True)
             # Rewind S_c = S_{c-1} + phi(k_c)^T v_c to the state chunk c read.
             exact -= torch.bmm(phi_k, vc, out=scratch("increment", (bt, feature_dim, width), q))
             if running is not exact:
@@ -137,8 +137,8 @@ class _ChunkedKernelAttention(torch.autograd.Function):
 
             # Inside the chunk: out_c += (k(q_t, k_s) masked) v_s.
             d_intra = chunks.masked(torch.bmm(doc, vc.mT, out=scratch("d_intra", (bt, rows, ctx.chunk_size), q)))
-            dv[c].baddbmm_(chunks.masked(kernel.scores(qc, kc, phi_q, phi_k, scratch)).mT, doc)
-            dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.scores_backward(d_intra, qc, kc, phi_q, phi_k, scratch)
+            dv[c].baddbmm_(chunks.masked(kernel.chunk_scores(qc, kc, phi_q, phi_k, scratch)).mT, doc)
+            dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.chunk_scores_backward(d_intra, qc, kc, phi_q, phi_k, scratch)
 
             # Across chunks: out_c += phi(q_c) S_{c-1}, and S_c = S_{c-1} + phi(k_c)^T v_c
             # (d_state holds dL/dS_c until phi(q_c) adds its share for S_{c-1}).
@@ -149,8 +149,8 @@ class _ChunkedKernelAttention(torch.autograd.Function):
             for found, total in ((d_phi_k_intra, d_phi_k), (d_phi_q_intra, d_phi_q), (dq_intra, dq[c]), (dk_intra, dk[c])):
                 if found is not None:
                     total += found
-            dk[c] += kernel.features_backward(d_phi_k, key_scratch, query=False)
-            dq[c] += kernel.features_backward(d_phi_q, query_scratch, query=True)
+            dk[c] += kernel.chunk_features_backward(d_phi_k, key_scratch, query=False)
+            dq[c] += kernel.chunk_features_backward(d_phi_q, query_scratch, query=True)
         dq, dk, dv = chunks.restore(dq, q.shape), chunks.restore(dk, k.shape), chunks.restore(dv, v.shape)
         return dq, dk, dv, d_state.view(ctx.state_shape), None, None
 

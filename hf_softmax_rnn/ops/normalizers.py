@@ -1,4 +1,4 @@
-"""Normalisers: how the numerator N_t = sum_s a_ts v_s becomes the output (SPEC section 2).
+"""Normalisers: how the numerator N_t = sum_s a_ts v_s becomes the output (see docs/design.md).
 
 All functions work per query head over the value dimension:
 numerator `[B, H, L, Dv]`, denominator G_t `[B, H, L]`, visible count t `[B, 1, L]`.
@@ -6,11 +6,12 @@ numerator `[B, H, L, Dv]`, denominator G_t `[B, H, L]`, visible count t `[B, 1, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.kernels import AttentionParams
 
 #: Added to the detached denominator by the "detach_eps" normaliser (the authors' value).
 DETACH_EPS = 1e-4
@@ -25,16 +26,16 @@ def _l2(n: torch.Tensor, eps: float) -> torch.Tensor:
     return n * torch.rsqrt(n.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _rms(n: torch.Tensor, eps: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _rms(n: torch.Tensor, eps: float, params: AttentionParams) -> torch.Tensor:
     out = n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + eps)
-    weight = params.get("norm_weight")
+    weight = params.norm_weight
     return out if weight is None else out * weight[:, None, :].to(out.dtype)
 
 
-def _layer(n: torch.Tensor, eps: float, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _layer(n: torch.Tensor, eps: float, params: AttentionParams) -> torch.Tensor:
     centred = n - n.mean(-1, keepdim=True)
     out = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
-    weight, bias = params.get("norm_weight"), params.get("norm_bias")
+    weight, bias = params.norm_weight, params.norm_bias
     if weight is not None:
         out = out * weight[:, None, :].to(out.dtype)
     if bias is not None:
@@ -46,7 +47,7 @@ def _per_position(t: torch.Tensor) -> torch.Tensor:
     return t.clamp_min(1).unsqueeze(-1)
 
 
-NormalizerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Mapping[str, torch.Tensor]], torch.Tensor]
+NormalizerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, AttentionParams], torch.Tensor]
 
 _NORMALIZERS: dict[str, NormalizerFn] = {
     "softmax": lambda n, g, t, eps, p: n / _safe(g).unsqueeze(-1),
@@ -57,7 +58,7 @@ _NORMALIZERS: dict[str, NormalizerFn] = {
     "seqlen_rms": lambda n, g, t, eps, p: _rms(n / _per_position(t), eps, p),
     "seqlen_layer": lambda n, g, t, eps, p: _layer(n / _per_position(t), eps, p),
     "seqlen_pow": lambda n, g, t, eps, p: n
-    / _per_position(t).pow(torch.sigmoid(p["seqlen_power"]).to(n.dtype)[:, None, None]),
+    / _per_position(t).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None]),
     "clamp": lambda n, g, t, eps, p: n / g.clamp_min(1.0).unsqueeze(-1),
     "detach": lambda n, g, t, eps, p: n / g.detach().clamp_min(1.0).unsqueeze(-1),
     "detach_eps": lambda n, g, t, eps, p: n / (g.detach() + DETACH_EPS).unsqueeze(-1),
@@ -70,7 +71,7 @@ def normalize(
     denominator: torch.Tensor,
     visible: torch.Tensor,
     spec: AttentionSpec,
-    params: Mapping[str, torch.Tensor],
+    params: AttentionParams,
     output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply the spec's normaliser, and its output gate `[B, H, L]` before or after it.

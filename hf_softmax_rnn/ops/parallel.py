@@ -1,20 +1,18 @@
 """The parallel (masked L x L) form of every recurrent-softmax and linear variant.
 
-It is exact for every variant (exact exp, Taylor, feature maps, clamps) and is the
-reference the chunked and recurrent forms are tested against.
+It is exact for every variant (exact exp, Taylor, feature maps, clamps, sliding-window
+hybrids) and is the reference the chunked and recurrent forms are tested against.
 Shapes: grouped q `[B, Hkv, G, Lq, D]`, k and v `[B, Hkv, Lk, D]`, Lq <= Lk (the queries
 are the last Lq positions); key_mask `[B, Lk]` bool (True = visible).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
-from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.feature_maps import kernel_scores, taylor_exp
+from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel
+from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
 
 def visible_mask(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
@@ -34,28 +32,23 @@ def parallel_scores(
     q: torch.Tensor,
     k: torch.Tensor,
     key_mask: torch.Tensor,
-    spec: AttentionSpec,
-    params: Mapping[str, torch.Tensor],
+    kernel: ExpKernel | FeatureKernel,
+    window: int | None = None,
+    window_scale: float | None = None,
+    linear_log_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible).
 
-    Exact exp of a row-scale-invariant normaliser is computed as exp(x - rowmax), which
-    never overflows; other normalisers see the true exp (and may overflow without a clamp).
+    With a `window`, the last `window` positions are scored with exp(`window_scale` q.k) and
+    older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
+    row's largest window score; see `ops.window`).
     """
-    scale = spec.scale(q.shape[-1])
     visible = visible_mask(key_mask, q.shape[-2])
-    if spec.kind == "linear":
-        scores = kernel_scores(q, k, spec, scale, params)
-        if spec.score_clamp is not None:
-            scores = scores.clamp_max(spec.score_clamp)
-        return scores.masked_fill(~visible, 0.0)
-    x = scale * grouped_matmul(q, k.transpose(-1, -2))
-    if spec.score_clamp is not None:
-        x = x.clamp_max(spec.score_clamp)
-    if spec.uses_taylor:
-        return taylor_exp(x, spec.taylor_order).masked_fill(~visible, 0.0)
-    x = x.masked_fill(~visible, float("-inf"))
-    if spec.is_row_scale_invariant:
-        row_max = x.amax(-1, keepdim=True).detach()
-        x = x - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    return torch.exp(x)
+    if window is None:
+        return kernel.masked_scores(q, k, visible)
+    near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
+    x = (window_scale * grouped_matmul(q, k.mT)).masked_fill(~near, float("-inf"))
+    row_max = x.amax(-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
+    return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1])

@@ -9,7 +9,8 @@ of d^n (2,145 for d = 64, N = 2).
 - `feature_rows` / `feature_rows_backward`: the same features feature-major, `[Bt, F, T]`,
   in reusable buffers: order 2 is x times wrapped shifts of x (three products, no gather),
   higher orders gather rows of the order below.
-- `TaylorKernel`: the kernel the hand-written chunked engine (`ops.chunked`) runs.
+- `TaylorKernel`: the kernel object (features, scores and the hand-written chunked engine's
+  methods of `ops.chunked`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import torch
 
 from hf_softmax_rnn.ops.chunked import Scratch
+from hf_softmax_rnn.ops.grouping import grouped_matmul
+from hf_softmax_rnn.ops.kernels import FeatureKernel
 
 
 def _wrapped_shifts(head_dim: int) -> int:
@@ -244,11 +247,19 @@ def taylor_features_reference(x: torch.Tensor, order: int) -> torch.Tensor:
     return torch.stack(columns, dim=-1)
 
 
+#: Orders above this are evaluated in float64: in float32 the alternating sum of a high-order
+#: truncation cancels catastrophically for negative scores (order 79 at x = -20 gave 3,540).
+_FLOAT64_ABOVE_ORDER = 12
+
+
 def taylor_exp(x: torch.Tensor, order: int) -> torch.Tensor:
-    """sum_{n<=N} x^n / n! by Horner's rule (elementwise)."""
-    result = torch.full_like(x, 1.0 / math.factorial(order))
-    for n in range(order - 1, -1, -1):
-        result = result * x + 1.0 / math.factorial(n)
+    """sum_{n<=N} x^n / n! (elementwise), as 1 + x (1 + x/2 (1 + ... (1 + x/N))): no 1/n! is
+    formed, so no coefficient underflows; orders above 12 run in float64."""
+    if order > _FLOAT64_ABOVE_ORDER and x.dtype != torch.float64:
+        return taylor_exp(x.double(), order).to(x.dtype)
+    result = torch.ones_like(x)
+    for n in range(order, 0, -1):
+        result = (result * x).mul_(1.0 / n).add_(1.0)
     return result
 
 
@@ -257,25 +268,38 @@ def taylor_exp_derivative(x: torch.Tensor, order: int) -> torch.Tensor:
     return taylor_exp(x, order - 1) if order >= 1 else torch.zeros_like(x)
 
 
-class TaylorKernel:
-    """exp(q.k) truncated at order N for `ops.chunked`: phi_N features with sqrt(scale) folded
-    into q and k each; inside a chunk, the polynomial of q.k (D work per pair, not F)."""
+class TaylorKernel(FeatureKernel):
+    """exp(q.k) truncated at order N: phi_N features with sqrt(scale) folded into q and k each;
+    scores from the polynomial of q.k (D work per pair, not F)."""
 
-    def __init__(self, order: int, scale: float) -> None:
-        self.order, self.scale, self.root = order, scale, math.sqrt(scale)
+    hand_written = True
 
-    def features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+    def __init__(self, order: int, scale: float, clamp: float | None = None) -> None:
+        super().__init__(scale, clamp)
+        self.order, self.root = order, math.sqrt(scale)
+
+    def query_features(self, q: torch.Tensor) -> torch.Tensor:
+        return taylor_features(q * self.root, self.order)
+
+    def key_features(self, k: torch.Tensor) -> torch.Tensor:
+        return taylor_features(k * self.root, self.order)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return taylor_exp(self.scale * grouped_matmul(q, k.mT), self.order)
+
+    # ------------------------------------------------------------------ the ops.chunked engine
+    def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
         torch.mul(x.mT, self.root, out=rows)
         return feature_rows(rows, self.order, scratch)
 
-    def features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+    def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         return feature_rows_backward(scratch.get("rows"), grad, self.order, scratch).mT.mul_(self.root)
 
-    def scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
+    def chunk_scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
         dots = torch.bmm(q, k.mT, out=scratch("dots", (q.shape[0], q.shape[1], k.shape[1]), q)).mul_(self.scale)
         return taylor_exp(dots, self.order)
 
-    def scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
+    def chunk_scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
         d_dots = d_scores.mul_(taylor_exp_derivative(scratch.get("dots"), self.order)).mul_(self.scale)
         return d_dots @ k, d_dots.mT @ q, None, None

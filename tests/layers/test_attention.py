@@ -1,6 +1,5 @@
 """The attention modules: against transformers' own modules, against the ops, attention transfer."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -75,7 +74,7 @@ def test_gpt2_layer_with_softmax_matches_transformers_gpt2_attention_and_its_lay
     stock = GPT2Attention(stock_config, layer_idx=LAYER).double().eval()
     ours = gpt2_layer("softmax")
     ours.load_state_dict(stock.state_dict(), strict=False)
-    assert ours.op_spec.qk_scale == pytest.approx(8**-0.5 / (LAYER + 1))
+    assert ours.scaling == pytest.approx(8**-0.5 / (LAYER + 1))
     hidden = torch.randn(2, 7, 32, dtype=torch.float64)
     torch.testing.assert_close(ours(hidden)[0], stock(hidden)[0], atol=1e-12, rtol=0)
 
@@ -85,13 +84,12 @@ GATED_EXACT = AttentionSpec(kind="recurrent_softmax", score_clamp=5.0, normalize
 
 
 def ops_reference(layer, hidden, q, k, v, mask):
-    """The ops computing the layer's spec with their own input gate (values not pre-gated)."""
-    gates = {
-        "input": torch.sigmoid(layer.rnn_params.input_gate(hidden)).transpose(1, 2),
-        "output": torch.sigmoid(layer.rnn_params.output_gate(hidden)).transpose(1, 2),
-    }
-    spec = dataclasses.replace(layer.attention_spec, qk_scale=layer.scaling)
-    out, _ = attention(q, k, v, spec, attention_mask=mask, gates=gates, params=layer.rnn_params.op_params())
+    """The ops computing the layer's spec on the whole sequence, values gated here."""
+    gates = {"output": torch.sigmoid(layer.rnn_params.output_gate(hidden)).transpose(1, 2)}
+    v = v * torch.sigmoid(layer.rnn_params.input_gate(hidden)).transpose(1, 2).unsqueeze(-1)
+    spec = layer.attention_spec
+    params = layer.rnn_params.op_params()
+    out, _ = attention(q, k, v, spec, attention_mask=mask, gates=gates, params=params, scale=layer.scaling)
     return out.transpose(1, 2).reshape(*hidden.shape[:2], -1)
 
 
@@ -152,7 +150,7 @@ def test_transfer_loss_is_the_mse_to_float64_softmax_on_visible_positions(with_p
 
     layer = model.converted
     q, k, v = gpt2_qkv(layer, hidden)
-    student, _ = attention(q, k, v, layer.op_spec, attention_mask=mask)
+    student, _ = attention(q, k, v, layer.attention_spec, attention_mask=mask, scale=layer.scaling)
     teacher = softmax_attention_reference(q, k, v, mask, 8**-0.5 / (LAYER + 1))
     rows = torch.ones(2, 7, dtype=torch.bool) if mask is None else mask
     expected = F.mse_loss(student.transpose(1, 2)[rows], teacher.transpose(1, 2)[rows])
@@ -164,7 +162,7 @@ def test_transfer_loss_gradient_treats_the_teacher_as_a_constant():
     layer = gpt2_layer("linear_elu")
     hidden = torch.randn(1, 5, 32, dtype=torch.float64)
     q, k, v = gpt2_qkv(layer, hidden)
-    student, _ = attention(q, k, v, layer.op_spec)
+    student, _ = attention(q, k, v, layer.attention_spec, scale=layer.scaling)
     teacher = softmax_attention_reference(q, k, v, None, layer.scaling).detach()
     F.mse_loss(student, teacher).backward()
     expected = layer.c_attn.weight.grad.clone()

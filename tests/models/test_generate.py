@@ -127,3 +127,43 @@ def test_assisted_generation_is_refused_for_recurrent_states():
     ids, mask = left_padded_batch()
     with pytest.raises(ValueError, match="stateful"):
         model.generate(ids, attention_mask=mask, assistant_model=tiny_model("llama", "linear_elu"), max_new_tokens=3)
+
+
+SMALL_WINDOWS = {
+    "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+    "taylor2_l2_window4": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, chunk_size=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_WINDOWS))
+def test_window_hybrids_generate_as_recomputation_past_the_window(family, name):
+    """Prompts of 10 and 6 tokens and 6 new ones: the window is crossed in the prefill and while decoding."""
+    model = tiny_model(family, SMALL_WINDOWS[name])
+    ids, mask = left_padded_batch()
+    cached = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert_same_generation(cached, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
+    beams = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, return_dict_in_generate=True)
+    beam_cached = model.generate(ids, attention_mask=mask, **beams)
+    assert torch.equal(beam_cached.sequences, model.generate(ids, attention_mask=mask, use_cache=False, **beams).sequences)
+    sampling = dict(max_new_tokens=6, do_sample=True, top_k=20, num_return_sequences=2)
+    torch.manual_seed(5)
+    sampled = model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, model.generate(ids, attention_mask=mask, use_cache=False, **sampling))
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, ~mask[row].eq(0)]
+        single = model.generate(alone, attention_mask=torch.ones_like(alone), **GREEDY)
+        assert torch.equal(cached.sequences[row, -6:], single.sequences[0, -6:])
+
+
+def test_window_state_is_constant_in_size(family):
+    model = tiny_model(family, SMALL_WINDOWS["hedgehog_window3"])
+    ids, mask = left_padded_batch()
+    sizes = {
+        n: cache_nbytes(model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True).cache)
+        for n in (1, 8)
+    }
+    spec = SMALL_WINDOWS["hedgehog_window3"]
+    kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
+    state = spec.state_bytes(HEAD_DIM) * kv_heads + 3  # + window validity flags (bool)
+    assert sizes[1] == sizes[8] == 2 * ids.shape[0] * (state + 8)  # 2 layers; + int64 t per row

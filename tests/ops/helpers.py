@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from hf_softmax_rnn import PRESETS, AttentionSpec
+from hf_softmax_rnn.ops.kernels import AttentionParams
 
 
 def quiet_preset(name: str, **overrides) -> AttentionSpec:
@@ -34,6 +35,13 @@ EXTRA_FINITE_SPECS = {
     ),
     "taylor2_none": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="none"),
     "taylor2_detach_eps": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="detach_eps"),
+    "window1_elu": AttentionSpec(kind="linear", feature_map="elu", window=1),
+    "window3_hedgehog": AttentionSpec(kind="linear", feature_map="hedgehog", hedgehog_dim=5, window=3),
+    "window4_taylor2_l2_gates": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, input_gate=True, output_gate=True
+    ),
+    "window2_identity_rms": AttentionSpec(kind="linear", feature_map="identity", normalizer="rms", window=2),
+    "window5_cosine_seqlen_layer": AttentionSpec(kind="linear", feature_map="cosine", normalizer="seqlen_layer", window=5),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
@@ -63,7 +71,13 @@ def make_params(spec: AttentionSpec, heads=4, kv_heads=2, head_dim=8, dtype=torc
         "seqlen_power": randn(heads),
         "hedgehog_q": randn(heads, head_dim, width, scale=0.5),
         "hedgehog_k": randn(kv_heads, head_dim, width, scale=0.5),
+        "linear_log_scale": randn(heads, scale=0.5),
     }
+
+
+def as_params(tensors: dict) -> AttentionParams:
+    """`make_params`' dict as the ops take it."""
+    return AttentionParams(**tensors)
 
 
 def left_padding_mask(batch: int, length: int, pads: list[int]) -> torch.Tensor:
@@ -73,5 +87,8 @@ def left_padding_mask(batch: int, length: int, pads: list[int]) -> torch.Tensor:
     return mask
 
 
-def gates_from_logits(gate_logits):
-    return {name: torch.sigmoid(logits) for name, logits in gate_logits.items()}
+def gated(spec: AttentionSpec, v: torch.Tensor, gate_logits: dict) -> tuple[torch.Tensor, dict]:
+    """(values with the input gate applied as the layers do, {"output": gate}) for `spec`."""
+    if spec.input_gate:
+        v = v * torch.sigmoid(gate_logits["input"]).unsqueeze(-1)
+    return v, {"output": torch.sigmoid(gate_logits["output"])} if spec.output_gate else {}

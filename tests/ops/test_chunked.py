@@ -6,9 +6,14 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
-from hf_softmax_rnn.ops.feature_maps import ElementwiseKernel, chunk_kernel
-from hf_softmax_rnn.ops.linear import chunked_linear_attention
+from hf_softmax_rnn.ops.feature_maps import CosineKernel, ElementwiseKernel, HedgehogKernel, build_kernel
+from hf_softmax_rnn.ops.kernels import AttentionParams
+from hf_softmax_rnn.ops.linear import generic_chunked_linear_attention
 from hf_softmax_rnn.ops.taylor import TaylorKernel
+
+
+def chunk_kernel(spec, scale):
+    return build_kernel(spec, scale, AttentionParams(hedgehog_q=torch.eye(8)[None], hedgehog_k=torch.eye(8)[None]))
 
 KERNEL_SPECS = {
     **{f"taylor{order}": AttentionSpec(kind="recurrent_softmax", taylor_order=order, normalizer="l2") for order in range(4)},
@@ -46,7 +51,7 @@ def test_engine_matches_generic_chunked_path(name, length, chunk_size):
         return [out, state, *torch.autograd.grad(loss, inputs)]
 
     fast = run(lambda: chunked_kernel_attention(*inputs, kernel, chunk_size))
-    generic = run(lambda: chunked_linear_attention(*inputs, spec, 0.3, {}, chunk_size))
+    generic = run(lambda: generic_chunked_linear_attention(*inputs, kernel, chunk_size))
     for got, want in zip(fast, generic):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -56,14 +61,16 @@ def test_engine_matches_generic_chunked_path(name, length, chunk_size):
     [
         (AttentionSpec.from_preset("softmax_taylor_2"), TaylorKernel),
         (AttentionSpec.from_preset("linear_elu"), ElementwiseKernel),
-        (AttentionSpec(kind="linear", feature_map="cosine"), type(None)),
-        (AttentionSpec(kind="linear", feature_map="hedgehog"), type(None)),
+        (AttentionSpec(kind="linear", feature_map="cosine"), CosineKernel),
+        (AttentionSpec(kind="linear", feature_map="hedgehog"), HedgehogKernel),
     ],
     ids=["taylor", "elu", "cosine", "hedgehog"],
 )
 def test_kernel_choice(spec, expected):
     """Maps that are not elementwise (cosine normalises rows, hedgehog has weights) keep the generic path."""
-    assert isinstance(chunk_kernel(spec, 0.125), expected)
+    kernel = chunk_kernel(spec, 0.125)
+    assert isinstance(kernel, expected)
+    assert kernel.hand_written == (expected in (TaylorKernel, ElementwiseKernel))
 
 
 def test_float32_gradients_over_many_chunks():

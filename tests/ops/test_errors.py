@@ -48,7 +48,7 @@ def test_input_errors(kwargs, message):
     if "q_heads" in kwargs:
         q = q[:, :3]
     spec = AttentionSpec(kind="linear", feature_map="elu", output_gate="gates" in kwargs)
-    state = RecurrentState.zeros(2, 2, 8, 8) if kwargs.get("state") else None
+    state = RecurrentState.zeros(2, 2, 8, 8, 8) if kwargs.get("state") else None
     with pytest.raises(ValueError, match=message):
         attention(q, k, v, spec, gates=kwargs.get("gates"), attention_mask=kwargs.get("mask"), state=state)
 

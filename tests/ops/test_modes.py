@@ -7,16 +7,15 @@ from hypothesis import strategies as st
 
 from hf_softmax_rnn.ops import attention
 
-from .helpers import FINITE_SPECS, gates_from_logits, left_padding_mask, make_inputs, make_params
+from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
 
 SPEC_IDS = sorted(FINITE_SPECS)
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
 def _run(spec, mode, q, k, v, gate_logits, params, mask, state=None):
-    return attention(
-        q, k, v, spec, mode=mode, attention_mask=mask, gates=gates_from_logits(gate_logits), params=params, state=state
-    )
+    v, gates = gated(spec, v, gate_logits)
+    return attention(q, k, v, spec, mode=mode, attention_mask=mask, gates=gates, params=as_params(params), state=state)
 
 
 @pytest.mark.parametrize("name", SPEC_IDS)
@@ -74,10 +73,9 @@ def test_state_handed_across_calls(name, second_mode):
     state, pieces = None, []
     for piece in (slice(0, 7), slice(7, 12), slice(12, 13)):
         gates_piece = {name: g[..., piece] for name, g in gate_logits.items()}
-        out, state = attention(
-            q[..., piece, :], k[..., piece, :], v[..., piece, :], spec,
-            mode=second_mode, attention_mask=mask[:, : piece.stop], gates=gates_from_logits(gates_piece),
-            params=params, state=state,
+        out, state = _run(
+            spec, second_mode, q[..., piece, :], k[..., piece, :], v[..., piece, :], gates_piece, params,
+            mask[:, : piece.stop], state,
         )
         pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, **TOL)
@@ -93,8 +91,8 @@ def test_left_padding_equals_unpadded_row():
     padded = [torch.cat([torch.randn(*x.shape[:-2], pad, x.shape[-1], dtype=x.dtype), x], dim=-2) for x in (q, k, v)]
     mask = left_padding_mask(1, 9 + pad, [pad])
     for mode in ("parallel", "chunked", "recurrent"):
-        out_padded, _ = attention(*padded, spec, mode=mode, attention_mask=mask, params=params)
-        out_plain, _ = attention(q, k, v, spec, mode=mode, params=params)
+        out_padded, _ = attention(*padded, spec, mode=mode, attention_mask=mask, params=as_params(params))
+        out_plain, _ = attention(q, k, v, spec, mode=mode, params=as_params(params))
         torch.testing.assert_close(out_padded[..., pad:, :], out_plain, **TOL)
 
 

@@ -8,7 +8,7 @@ from hf_softmax_rnn.attention_spec import ROW_SCALE_INVARIANT_NORMALIZERS
 from hf_softmax_rnn.ops import attention
 from hf_softmax_rnn.ops.normalizers import normalize
 
-from .helpers import make_inputs, make_params
+from .helpers import as_params, make_inputs, make_params
 
 
 @pytest.mark.parametrize("normalizer", ROW_SCALE_INVARIANT_NORMALIZERS)
@@ -19,7 +19,7 @@ def test_invariant_normalizers_ignore_row_scale(normalizer):
     denominator = torch.rand(2, 3, 5, dtype=torch.float64) + 0.5
     visible = torch.arange(1, 6)[None, None].expand(2, 1, 5)
     row_factor = torch.exp(torch.randn(2, 3, 5, dtype=torch.float64).clamp(-3, 3))
-    params = make_params(spec, heads=3, kv_heads=3)
+    params = as_params(make_params(spec, heads=3, kv_heads=3))
     plain = normalize(numerator, denominator, visible, spec, params)
     scaled = normalize(numerator * row_factor[..., None], denominator * row_factor, visible, spec, params)
     torch.testing.assert_close(scaled, plain, rtol=1e-8, atol=1e-8)
@@ -42,17 +42,17 @@ def test_exact_exp_is_stabilised_by_the_row_max(normalizer):
     spec = AttentionSpec(kind="recurrent_softmax", normalizer=normalizer, norm_eps=1e-12)
     q, k, v, _ = make_inputs(length=9)
     params = make_params(spec)
-    out, _ = attention(q, k, v, spec, params=params)
+    out, _ = attention(q, k, v, spec, params=as_params(params))
     scores = torch.exp(8**-0.5 * q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * torch.ones(9, 9).tril()
     numerator = scores @ v.repeat_interleave(2, 1)
-    direct = normalize(numerator, scores.sum(-1), torch.arange(1, 10)[None, None].expand(2, 1, 9), spec, params)
+    direct = normalize(numerator, scores.sum(-1), torch.arange(1, 10)[None, None].expand(2, 1, 9), spec, as_params(params))
     torch.testing.assert_close(out, direct, rtol=1e-6, atol=1e-7)
 
     big_q, big_k = (40 * q).bfloat16(), (40 * k).bfloat16()
-    half_params = {name: p.bfloat16() for name, p in params.items()}
+    half_params = as_params({name: p.bfloat16() for name, p in params.items()})
     half, _ = attention(big_q, big_k, v.bfloat16(), spec, params=half_params)
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
-    reference, _ = attention(big_q.double(), big_k.double(), v.bfloat16().double(), spec, params=params)
+    reference, _ = attention(big_q.double(), big_k.double(), v.bfloat16().double(), spec, params=as_params(params))
     assert torch.isfinite(reference).all()
     torch.testing.assert_close(half.double(), reference, rtol=0.05, atol=0.05)
 

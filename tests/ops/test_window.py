@@ -1,0 +1,111 @@
+"""Sliding-window hybrids against the formula written out one query at a time, in float64.
+
+y_t = (sum_{t-W<s<=t} e^{x_ts} v_s + e^{lambda_h} sum_{s<=t-W} phi(q_t).phi(k_s) v_s) / (same with v = 1)
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.ops import attention
+
+from .helpers import as_params, left_padding_mask, make_inputs, make_params
+
+
+def _phi(x, spec, weight):
+    if spec.feature_map == "elu":
+        return F.elu(x) + 1
+    if spec.feature_map == "hedgehog":
+        projected = x @ weight
+        return torch.cat([torch.softmax(projected, -1), torch.softmax(-projected, -1)], -1)
+    raise AssertionError(spec)
+
+
+def naive_window_attention(q, k, v, spec, params, mask, scale):
+    """One query at a time, no shift, no state, no chunks: the definition."""
+    batch, heads, length, head_dim = q.shape
+    groups = heads // k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // groups
+            for t in range(length):
+                if not mask[b, t]:
+                    continue
+                numerator, denominator = torch.zeros(head_dim, dtype=q.dtype), torch.zeros((), dtype=q.dtype)
+                for s in range(t + 1):
+                    if not mask[b, s]:
+                        continue
+                    if t - s < spec.window:
+                        weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
+                    elif spec.uses_taylor:
+                        x = scale * q[b, h, t] @ k[b, kv, s]
+                        weight = params.linear_log_scale[h].exp() * sum(x**n / math.factorial(n) for n in range(3))
+                    else:
+                        phi_q = _phi(q[b, h, t], spec, None if params.hedgehog_q is None else params.hedgehog_q[h])
+                        phi_k = _phi(k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv])
+                        weight = params.linear_log_scale[h].exp() * scale * phi_q @ phi_k
+                    numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
+                out[b, h, t] = numerator / denominator if spec.normalizer == "softmax" else F.normalize(numerator, dim=0)
+    return out
+
+
+SPECS = {
+    "elu_w3": AttentionSpec(kind="linear", feature_map="elu", window=3),
+    "hedgehog_w2": AttentionSpec(kind="linear", feature_map="hedgehog", window=2),
+    "taylor2_w4_l2": AttentionSpec(kind="recurrent_softmax", taylor_order=2, window=4, normalizer="l2", norm_eps=1e-30),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_modes_match_the_formula(name, mode):
+    spec = SPECS[name]
+    q, k, v, _ = make_inputs(length=9)
+    q, k = 2 * q, 2 * k  # scores up to ~10: the shift by the window's max matters
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, 9, [0, 2])
+    got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, params=params)
+    want = naive_window_attention(q, k, v, spec, params, mask.bool(), 8**-0.5)
+    torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
+
+
+def test_state_keeps_a_window_of_constant_size():
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=3, chunk_size=4)
+    q, k, v, _ = make_inputs(length=11)
+    params = as_params(make_params(spec))
+    _, state = attention(q, k, v, spec, mode="chunked", params=params)
+    assert state.window_keys.shape == (2, 2, 3, 8) and state.window_values.shape == (2, 2, 3, 9)
+    torch.testing.assert_close(state.window_keys, k[..., -3:, :])
+    assert state.window_valid.all()
+    assert state.nbytes == sum(x.numel() * x.element_size() for x in state.tensors())
+
+
+def test_huge_scores_stay_finite_in_bfloat16():
+    spec = AttentionSpec(kind="recurrent_softmax", taylor_order=2, window=2)
+    q, k, v, _ = make_inputs(length=8, dtype=torch.bfloat16)
+    params = as_params({name: p.bfloat16() for name, p in make_params(spec).items()})
+    for mode in ("parallel", "chunked", "recurrent"):
+        out, _ = attention(30 * q, 30 * k, v, spec, mode=mode, params=params)
+        assert torch.isfinite(out).all(), mode
+
+
+def test_state_from_another_window_raises():
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=3)
+    q, k, v, _ = make_inputs(length=4)
+    params = as_params(make_params(spec))
+    _, state = attention(q, k, v, spec, mode="chunked", params=params)
+    other = AttentionSpec(kind="linear", feature_map="elu", window=2)
+    with pytest.raises(ValueError, match="window of 3 positions but the spec has window=2"):
+        attention(q, k, v, other, mode="recurrent", params=params, state=state)
+    with pytest.raises(ValueError, match=r"the state has shape \(2, 2, 8, 9\)"):
+        attention(q[:1], k[:1], v[:1], spec, mode="recurrent", params=params, state=state)
+
+
+def test_window_needs_its_weight():
+    q, k, v, _ = make_inputs(length=4)
+    with pytest.raises(ValueError, match="linear_log_scale"):
+        attention(q, k, v, AttentionSpec(kind="linear", feature_map="elu", window=2))
