@@ -1,11 +1,11 @@
 # `make demo` and `make test` set everything up on a fresh machine (a .venv with the CPU
-# build of torch 2.13.0 installed before the package), then run the main job or the tests.
+# build of torch 2.13.0 installed before the package), then run the main job or the tests (lint first).
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_EVALUATE_OFFLINE=1
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo lint test test-fast
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,7 +20,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(OFFLINE) $(VENV)/bin/hf-softmax-rnn demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hf_softmax_rnn scripts tests
+	$(VENV)/bin/ruff format --check hf_softmax_rnn scripts tests
+
+test: lint
 	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q
 
 test-fast: $(STAMP)

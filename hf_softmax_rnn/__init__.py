@@ -2,6 +2,10 @@
 
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
 from hf_softmax_rnn.convert import convert
+
+# Binds the name after the submodule import has set `hf_softmax_rnn.default_model` to the module,
+# so the package attribute is the function (the module stays importable by its dotted name).
+from hf_softmax_rnn.default_model import default_model_and_tokenizer as default_model
 from hf_softmax_rnn.models import (
     SoftmaxRNNGPT2Config,
     SoftmaxRNNGPT2LMHeadModel,
@@ -20,4 +24,5 @@ __all__ = [
     "SoftmaxRNNLlamaForCausalLM",
     "__version__",
     "convert",
+    "default_model",
 ]

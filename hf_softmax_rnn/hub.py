@@ -57,7 +57,9 @@ def _load_module(name: str) -> _Module:
             raise ImportError(f"export_remote_code: cannot find the source file of module {name!r}")
         path = spec.origin
     path = Path(path)
-    return _Module(name, path, path.name == "__init__.py", ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+    return _Module(
+        name, path, path.name == "__init__.py", ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    )
 
 
 def _package_of(module: _Module) -> str:
@@ -81,8 +83,12 @@ def _internal_target(module: _Module, node: ast.ImportFrom, root: str) -> str | 
 def _check_module(module: _Module, root: str) -> None:
     """Reject `import root.x` statements and Auto-class registration at import time."""
     for node in ast.walk(module.tree):
-        if isinstance(node, ast.Import) and any(alias.name == root or alias.name.startswith(root + ".") for alias in node.names):
-            raise ValueError(f"{module.path}:{node.lineno}: use `from {root}.<module> import name`, not `import {root}...`")
+        if isinstance(node, ast.Import) and any(
+            alias.name == root or alias.name.startswith(root + ".") for alias in node.names
+        ):
+            raise ValueError(
+                f"{module.path}:{node.lineno}: use `from {root}.<module> import name`, not `import {root}...`"
+            )
     for statement in module.tree.body:
         if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
@@ -161,7 +167,15 @@ def _rewrite(module: _Module, names: dict[str, str], root: str) -> str:
     return _HEADER.format(module=module.name) + "".join(lines)
 
 
-def export_remote_code(save_directory: str | os.PathLike, model_class: type, config_class: type, auto_class: str) -> list[Path]:
+def is_exported_code(path: str | os.PathLike) -> bool:
+    """Whether `path` is a flat code file written by `export_remote_code` (it starts with its header)."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.readline().startswith(_HEADER.partition("{")[0])
+
+
+def export_remote_code(
+    save_directory: str | os.PathLike, model_class: type, config_class: type, auto_class: str
+) -> list[Path]:
     """Write flat modules for `model_class` and `config_class` into `save_directory` and
     point config.json's auto_map at them. Returns the files written."""
     directory = Path(save_directory)
@@ -195,10 +209,13 @@ def export_remote_code(save_directory: str | os.PathLike, model_class: type, con
 
 class RemoteCodeMixin:
     """Mixin for `PreTrainedModel` subclasses: `save_pretrained` of a class registered with
-    `register_for_auto_class(...)` also writes the flat code files and auto_map."""
+    `register_for_auto_class(...)`, or of a model whose config has an `auto_map` (loaded from a
+    checkpoint saved that way), also writes the flat code files and auto_map, so that
+    config.json never names code the folder does not hold."""
 
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
-        if not self.is_remote_code():
+        auto_class = self._remote_code_auto_class()
+        if auto_class is None:
             return super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
         if kwargs.get("push_to_hub"):
             raise ValueError(
@@ -207,5 +224,17 @@ class RemoteCodeMixin:
             )
         super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
         if is_main_process:
-            export_remote_code(save_directory, type(self), type(self.config), self._auto_class)
-            self.config.auto_map = json.loads((Path(save_directory) / "config.json").read_text(encoding="utf-8"))["auto_map"]
+            export_remote_code(save_directory, type(self), type(self.config), auto_class)
+            self.config.auto_map = json.loads((Path(save_directory) / "config.json").read_text(encoding="utf-8"))[
+                "auto_map"
+            ]
+
+    def _remote_code_auto_class(self) -> str | None:
+        """The Auto class a saved checkpoint names in auto_map: the registered one, else the model
+        class's entry of `config.auto_map`; None for a plain checkpoint (no auto_map)."""
+        if self.is_remote_code():
+            return self._auto_class
+        auto_map = getattr(self.config, "auto_map", None) or {}
+        if not auto_map:
+            return None
+        return next((name for name in auto_map if name != "AutoConfig"), "AutoModelForCausalLM")

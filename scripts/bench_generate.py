@@ -198,9 +198,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--random-weights", action="store_true", help="build --model from its config with random weights; random token ids")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="build --model from its config with random weights; random token ids",
+    )
     parser.add_argument("--dataset", default=None, help="text that fills the context (default: offline pydoc corpus)")
-    parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_generate"), help="writes OUTPUT.png, .md and .json")
+    parser.add_argument(
+        "--output", type=Path, default=Path("docs/figures/bench_generate"), help="writes OUTPUT.png, .md and .json"
+    )
     return parser.parse_args()
 
 
@@ -228,7 +234,11 @@ def main() -> None:
 
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
     weights = ", random weights" if args.random_weights else ""
-    hardware = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else f"{torch.get_num_threads()} CPU thread(s)"
+    hardware = (
+        torch.cuda.get_device_name(torch.device(args.device))
+        if args.device.startswith("cuda")
+        else f"{torch.get_num_threads()} CPU thread(s)"
+    )
     title = f"{model_name}{weights}: greedy decoding, {hardware}"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])
@@ -236,7 +246,10 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".md").write_text(report + "\n")
     args.output.with_suffix(".json").write_text(
-        json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "measurements": [asdict(m) for m in measurements]}, indent=2)
+        json.dumps(
+            {"settings": {k: str(v) for k, v in vars(args).items()}, "measurements": [asdict(m) for m in measurements]},
+            indent=2,
+        )
         + "\n"
     )
     plot(measurements, args.output.with_suffix(".png"), title)

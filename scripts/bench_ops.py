@@ -43,7 +43,9 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
-def run_case(preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None, device: str = "cpu") -> dict:
+def run_case(
+    preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None, device: str = "cpu"
+) -> dict:
     """Time one call (best of `repeats`, after a warm-up call: at the same length on CUDA, at
     256 positions on CPU) and measure its peak memory above the inputs."""
     torch.manual_seed(0)
@@ -121,7 +123,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--chunk-size", type=int, default=None, help="override the presets' chunk size")
-    parser.add_argument("--repeats", type=int, default=2, help="time the best of this many calls (machines with neighbours vary by 20%%)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="time the best of this many calls (machines with neighbours vary by 20%%)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
     args = parser.parse_args()
@@ -130,7 +137,9 @@ def main() -> None:
     results: dict[tuple[str, int, bool], dict] = {}
     jobs = [(case, n, bw) for case in CASES for n in args.lengths if n <= case[3] for bw in (False, True)]
     for (label, preset, mode, _), length, backward in tqdm(jobs, desc="bench_ops"):
-        results[label, length, backward] = _measure(preset, mode, length, backward, args.repeats, args.chunk_size, args.device)
+        results[label, length, backward] = _measure(
+            preset, mode, length, backward, args.repeats, args.chunk_size, args.device
+        )
 
     lines = [
         f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, float32, "
@@ -140,11 +149,23 @@ def main() -> None:
         "|---|" + "---|" * len(args.lengths),
     ]
     for label, *_ in CASES:
-        cells = [f"{_format_cell(results.get((label, n, False)), 'seconds')} / {_format_cell(results.get((label, n, True)), 'seconds')}" for n in args.lengths]
+        cells = [
+            f"{_format_cell(results.get((label, n, False)), 'seconds')} / "
+            f"{_format_cell(results.get((label, n, True)), 'seconds')}"
+            for n in args.lengths
+        ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "| variant | " + " | ".join(f"L={n} fwd+bwd peak (MiB)" for n in args.lengths) + " |", "|---|" + "---|" * len(args.lengths)]
+    lines += [
+        "",
+        "| variant | " + " | ".join(f"L={n} fwd+bwd peak (MiB)" for n in args.lengths) + " |",
+        "|---|" + "---|" * len(args.lengths),
+    ]
     for label, *_ in CASES:
-        lines.append(f"| {label} | " + " | ".join(_format_cell(results.get((label, n, True)), "peak") for n in args.lengths) + " |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(_format_cell(results.get((label, n, True)), "peak") for n in args.lengths)
+            + " |"
+        )
     longest = max(args.lengths)
     sdpa = results.get(("softmax (SDPA)", longest, True))
     if sdpa and "error" not in sdpa:
@@ -152,7 +173,10 @@ def main() -> None:
         for label in ("linear elu, chunked", "Taylor-2, chunked"):
             other = results.get((label, longest, True))
             if other and "error" not in other:
-                lines.append(f"- fwd+bwd at L={longest}: {label} runs at {sdpa['seconds'] / other['seconds']:.3g}x the speed of SDPA softmax")
+                lines.append(
+                    f"- fwd+bwd at L={longest}: {label} runs at {sdpa['seconds'] / other['seconds']:.3g}x the "
+                    "speed of SDPA softmax"
+                )
     table = "\n".join(lines)
     print(table)
 
@@ -178,7 +202,9 @@ def _plot(results: dict, lengths: list[int], path: Path, device_name: str) -> No
         points = [(n, results[label, n, True]) for n in lengths if "seconds" in results.get((label, n, True), {})]
         if points:
             time_axis.plot([n for n, _ in points], [r["seconds"] for _, r in points], marker="o", label=label)
-            memory_axis.plot([n for n, _ in points], [r["peak_bytes"] / 2**20 for _, r in points], marker="o", label=label)
+            memory_axis.plot(
+                [n for n, _ in points], [r["peak_bytes"] / 2**20 for _, r in points], marker="o", label=label
+            )
     for axis, ylabel in ((time_axis, "forward+backward time (s)"), (memory_axis, "peak memory above inputs (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")

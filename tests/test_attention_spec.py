@@ -37,8 +37,14 @@ def test_preset_overrides_and_coerce():
         (dict(kind="softmax", normalizer="l2"), r"normalizer='l2' is not allowed with kind='softmax'"),
         (dict(kind="linear"), r"feature_map=None is not allowed with kind='linear'"),
         (dict(kind="linear", feature_map="taylor"), r"taylor_order=None is not allowed with feature_map='taylor'"),
-        (dict(kind="linear", feature_map="elu", taylor_order=2), r"taylor_order=2 is not allowed with feature_map='elu'"),
-        (dict(kind="recurrent_softmax", feature_map="relu"), r"feature_map='relu' is not allowed with kind='recurrent_softmax'"),
+        (
+            dict(kind="linear", feature_map="elu", taylor_order=2),
+            r"taylor_order=2 is not allowed with feature_map='elu'",
+        ),
+        (
+            dict(kind="recurrent_softmax", feature_map="relu"),
+            r"feature_map='relu' is not allowed with kind='recurrent_softmax'",
+        ),
         (dict(kind="recurrent_softmax", normalizer="l3"), r"normalizer='l3' is not allowed; expected one of"),
         (dict(kind="recurrent_softmax", taylor_order=-1), r"taylor_order=-1 is not allowed"),
         (dict(chunk_size=0), r"chunk_size=0 is not allowed"),

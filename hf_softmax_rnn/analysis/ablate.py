@@ -22,13 +22,24 @@ from tqdm.auto import tqdm
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
-from hf_softmax_rnn.analysis.small_models import batches, resolve_device, small_llama, train_steps
+from hf_softmax_rnn.analysis.small_models import (
+    batches,
+    check_at_least,
+    check_positive,
+    check_width,
+    resolve_device,
+    set_threads,
+    small_llama,
+    train_steps,
+)
+from hf_softmax_rnn.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
 _RS = "recurrent_softmax"
 
-#: name -> (group, attention). Groups follow SPEC section 4; each attention is a preset name
+#: name -> (group, attention). Groups follow the paper's ablations (docs/design.md, section 8);
+#: each attention is a preset name
 #: (the authors' variant) or the fields of a spec where the paper has no preset of its own.
 VARIANTS: dict[str, tuple[str, str | dict]] = {
     "softmax": ("softmax", "softmax"),
@@ -50,7 +61,7 @@ VARIANTS: dict[str, tuple[str, str | dict]] = {
 
 @dataclass(frozen=True)
 class AblationBudget:
-    """Model size and training budget, identical for every variant."""
+    """Model size and training budget, identical for every variant (each field is the `ablate` flag of that name)."""
 
     d_model: int = 64
     num_layers: int = 2
@@ -66,11 +77,30 @@ class AblationBudget:
     test_blocks: int | None = None  # held-out blocks of the final loss; None = all
     seeds: tuple[int, ...] = (0, 1)
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "batch_size", "steps", "eval_every", "eval_blocks", "test_blocks"):
+            check_at_least(f"--{name.replace('_', '-')}", getattr(self, name))
+        check_at_least("--seq-len", self.seq_len, minimum=2)
+        check_at_least("--warmup-steps", self.warmup_steps, minimum=0)
+        check_width(self.d_model, self.num_heads)
+        check_positive("--lr", self.lr)
+        check_at_least("--weight-decay", self.weight_decay, minimum=0)
+        if not self.seeds:
+            raise UserInputError("--seeds is empty; expected at least one seed")
+
 
 #: `--quick`: CI size, a few seconds for all variants.
 QUICK_BUDGET = AblationBudget(
-    d_model=32, num_heads=2, seq_len=32, batch_size=4, steps=4, warmup_steps=1, eval_every=2, eval_blocks=4,
-    test_blocks=8, seeds=(0,),
+    d_model=32,
+    num_heads=2,
+    seq_len=32,
+    batch_size=4,
+    steps=4,
+    warmup_steps=1,
+    eval_every=2,
+    eval_blocks=4,
+    test_blocks=8,
+    seeds=(0,),
 )
 
 
@@ -95,7 +125,7 @@ def variant_spec(name: str) -> AttentionSpec:
     try:
         return AttentionSpec.coerce(attention)
     except ValueError as error:
-        raise ValueError(f"Unknown variant {name!r}; expected one of {list(VARIANTS)} or a preset name") from error
+        raise UserInputError(f"Unknown variant {name!r}; expected one of {list(VARIANTS)} or a preset name") from error
 
 
 def token_blocks(texts, tokenizer, seq_len: int) -> torch.Tensor:
@@ -104,7 +134,7 @@ def token_blocks(texts, tokenizer, seq_len: int) -> torch.Tensor:
 
     packed = pack_texts(texts, tokenizer, seq_len)
     if len(packed) == 0:
-        raise ValueError(f"The corpus has fewer than seq_len={seq_len} tokens; lower --seq-len")
+        raise UserInputError(f"The corpus has fewer than seq_len={seq_len} tokens; lower --seq-len")
     return packed.with_format("torch")[:]["input_ids"]
 
 
@@ -131,8 +161,13 @@ def train_variant(
     spec = variant_spec(name)
     group = VARIANTS[name][0] if name in VARIANTS else "preset"
     model = small_llama(
-        spec, vocab_size=len(byte_tokenizer()), hidden_size=budget.d_model, num_layers=budget.num_layers,
-        num_heads=budget.num_heads, max_position_embeddings=budget.seq_len, seed=seed,
+        spec,
+        vocab_size=len(byte_tokenizer()),
+        hidden_size=budget.d_model,
+        num_layers=budget.num_layers,
+        num_heads=budget.num_heads,
+        max_position_embeddings=budget.seq_len,
+        seed=seed,
     ).to(device)
     eval_subset = test[: budget.eval_blocks]
     curve = []
@@ -150,15 +185,31 @@ def train_variant(
     start = time.perf_counter()
     with tqdm(total=budget.steps, desc=f"{name} seed {seed}", disable=not progress, leave=False) as bar:
         losses = train_steps(
-            model, loss_fn, batches({"input_ids": train}, budget.batch_size, seed=seed),
-            steps=budget.steps, lr=budget.lr, weight_decay=budget.weight_decay, warmup_steps=budget.warmup_steps,
-            device=device, callback=record, progress=bar,
+            model,
+            loss_fn,
+            batches({"input_ids": train}, budget.batch_size, seed=seed),
+            steps=budget.steps,
+            lr=budget.lr,
+            weight_decay=budget.weight_decay,
+            warmup_steps=budget.warmup_steps,
+            device=device,
+            callback=record,
+            progress=bar,
         )
-    final = held_out_loss(model, test[: budget.test_blocks], batch_size=budget.batch_size) if math.isfinite(losses[-1]) else math.nan
+    final = (
+        held_out_loss(model, test[: budget.test_blocks], batch_size=budget.batch_size)
+        if math.isfinite(losses[-1])
+        else math.nan
+    )
     finite = math.isfinite(final) and all(math.isfinite(loss) for _, loss in curve)
     return AblationRun(
-        variant=name, group=group, seed=seed, final_loss=final if finite else math.nan,
-        diverged_at=None if finite else len(losses), seconds=time.perf_counter() - start, curve=curve,
+        variant=name,
+        group=group,
+        seed=seed,
+        final_loss=final if finite else math.nan,
+        diverged_at=None if finite else len(losses),
+        seconds=time.perf_counter() - start,
+        curve=curve,
     )
 
 
@@ -180,7 +231,8 @@ def summary_table(runs: list[AblationRun]) -> str:
             loss, bits = "diverged", "-"
         diverged = ", ".join(f"seed {r.seed} at step {r.diverged_at}" for r in mine if r.diverged) or "no"
         lines.append(
-            f"| {mine[0].group} | {name} | {variant_spec(name).describe()} | {loss} | {bits} | {len(mine)} | {diverged} |"
+            f"| {mine[0].group} | {name} | {variant_spec(name).describe()} | {loss} | {bits} | {len(mine)} | "
+            f"{diverged} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -221,7 +273,9 @@ def plot_curves(runs: list[AblationRun], path: Path, title: str) -> Path:
         means = [statistics.fmean(by_step[s]) for s in steps]
         finite_losses += means
         label = name + (" (diverged)" if any(r.diverged for r in mine) else "")
-        axis.plot(steps, means, styles[rank_in_group % len(styles)], color=colours(group_index % 10), label=label, marker=".")
+        axis.plot(
+            steps, means, styles[rank_in_group % len(styles)], color=colours(group_index % 10), label=label, marker="."
+        )
     if finite_losses:
         low = min(finite_losses)
         axis.set_ylim(low - 0.05, min(max(finite_losses), low + 2.5))
@@ -235,22 +289,41 @@ def plot_curves(runs: list[AblationRun], path: Path, title: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------- CLI
+#: Help of the flags that set `AblationBudget` fields.
+BUDGET_FLAGS_HELP = {
+    "d_model": "model width",
+    "num_layers": "decoder layers",
+    "num_heads": "attention heads (must divide --d-model)",
+    "seq_len": "bytes per training and held-out block",
+    "batch_size": "blocks per optimizer step",
+    "steps": "optimizer steps per run",
+    "warmup_steps": "linear learning-rate warm-up steps (then cosine decay)",
+    "eval_every": "held-out loss every N steps (and at the end)",
+    "eval_blocks": "held-out blocks scored for the loss curve",
+    "test_blocks": "held-out blocks scored for the final loss",
+    "lr": "peak AdamW learning rate",
+    "weight_decay": "AdamW weight decay of linear and embedding weights",
+}
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"names from {list(VARIANTS)} or preset names")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), help=f"names from {list(VARIANTS)} or preset names"
+    )
     parser.add_argument("--quick", action="store_true", help="CI size: tiny model, a few steps, one seed")
     parser.add_argument("--dataset", default=None, help="corpus for load_corpus (default: the offline pydoc corpus)")
     defaults = AblationBudget()
-    for name in (
-        "d_model", "num_layers", "num_heads", "seq_len", "batch_size", "steps", "warmup_steps", "eval_every", "eval_blocks", "test_blocks"
-    ):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {getattr(defaults, name)}")
-    for name in ("lr", "weight_decay"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"default {getattr(defaults, name)}")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {list(defaults.seeds)}")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    for name, help_text in BUDGET_FLAGS_HELP.items():
+        kind = float if isinstance(getattr(defaults, name), float) else int
+        default = "all" if getattr(defaults, name) is None else getattr(defaults, name)
+        help_text = f"{help_text} (default {default}; --quick: smaller)"
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=help_text)
+    seeds_help = f"one run per seed (default {list(defaults.seeds)})"
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=seeds_help)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/ablate"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/ablate"), help="folder for the tables and plot")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def budget_from_args(args) -> AblationBudget:
@@ -265,8 +338,7 @@ def budget_from_args(args) -> AblationBudget:
 def run(args) -> str:
     from hf_softmax_rnn.data.corpus import load_corpus
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     for name in args.variants:
         variant_spec(name)
     budget = budget_from_args(args)
@@ -284,7 +356,10 @@ def run(args) -> str:
     write_csvs(runs, args.output_dir)
     table = summary_table(runs)
     (args.output_dir / "ablation.md").write_text(table)
-    title = f"d_model={budget.d_model}, {budget.num_layers} layers, {budget.steps} steps x {budget.batch_size} x {budget.seq_len} bytes"
+    title = (
+        f"d_model={budget.d_model}, {budget.num_layers} layers, "
+        f"{budget.steps} steps x {budget.batch_size} x {budget.seq_len} bytes"
+    )
     plot = plot_curves(runs, args.output_dir / "loss_curves.png", title)
     written = (args.output_dir / "ablation.md", args.output_dir / "ablation.csv", args.output_dir / "curves.csv", plot)
     return table + "\nWrote " + " ".join(map(str, written))

@@ -1,4 +1,4 @@
-"""`hf-softmax-rnn mqar`: train small models on multi-query associative recall (SPEC section 7).
+"""`hf-softmax-rnn mqar`: train small models on multi-query associative recall (docs/design.md, section 9).
 
 For every (d_model, K, attention spec) a 2-layer Llama is trained from scratch on MQAR with
 K key-value pairs and scored on a held-out set (accuracy at the value positions). The
@@ -22,13 +22,18 @@ from tqdm.auto import tqdm
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.analysis.small_models import (
     batches,
+    check_at_least,
+    check_positive,
+    check_width,
     resolve_device,
     scored_loss,
     selected_logits,
+    set_threads,
     small_llama,
     train_steps,
 )
 from hf_softmax_rnn.data.mqar import IGNORE_INDEX, MQARConfig, mqar_splits
+from hf_softmax_rnn.errors import UserInputError, user_input_checks
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ DEFAULT_SPECS = (
 
 @dataclass(frozen=True)
 class MQARRun:
-    """Training budget and model shape of one MQAR run."""
+    """Training budget and model shape of one MQAR run (each field is the `mqar` flag of the same name)."""
 
     steps: int = 3000
     batch_size: int = 64
@@ -57,6 +62,19 @@ class MQARRun:
     num_layers: int = 2
     num_heads: int = 2
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "num_train", "num_test", "eval_every", "num_layers", "num_heads"):
+            check_at_least(f"--{name.replace('_', '-')}", getattr(self, name))
+        check_at_least("--warmup-steps", self.warmup_steps, minimum=0)
+        check_positive("--lr", self.lr)
+        check_at_least("--weight-decay", self.weight_decay, minimum=0)
+        if self.batch_size > self.num_train:
+            raise UserInputError(f"--batch-size={self.batch_size} is larger than --num-train={self.num_train}")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise UserInputError(
+                f"--target-accuracy={self.target_accuracy!r} is not allowed; expected a number in (0, 1]"
+            )
 
 
 @dataclass
@@ -109,7 +127,7 @@ def train_mqar(
     d_model: int,
     run: MQARRun = MQARRun(),
     *,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device | str = "cpu",
     progress: bool = True,
 ) -> MQARResult:
     """Train one model on `task` and return its held-out accuracy (early stop at the target)."""
@@ -117,8 +135,13 @@ def train_mqar(
     splits = mqar_splits(run.num_train, run.num_test, task, seed=run.seed).with_format("torch")
     train, test = splits["train"][:], splits["test"][:]
     model = small_llama(
-        spec, vocab_size=task.vocab_size, hidden_size=d_model, num_layers=run.num_layers, num_heads=run.num_heads,
-        max_position_embeddings=task.seq_len, seed=run.seed,
+        spec,
+        vocab_size=task.vocab_size,
+        hidden_size=d_model,
+        num_layers=run.num_layers,
+        num_heads=run.num_heads,
+        max_position_embeddings=task.seq_len,
+        seed=run.seed,
     ).to(device)
     accuracy = 0.0
 
@@ -127,7 +150,15 @@ def train_mqar(
         if step % run.eval_every and step != run.steps:
             return False
         accuracy = mqar_accuracy(model, test["input_ids"], test["labels"])
-        logger.info("%s d=%d K=%d step %d: loss %.4f, test accuracy %.4f", attention, d_model, task.num_kv_pairs, step, loss, accuracy)
+        logger.info(
+            "%s d=%d K=%d step %d: loss %.4f, test accuracy %.4f",
+            attention,
+            d_model,
+            task.num_kv_pairs,
+            step,
+            loss,
+            accuracy,
+        )
         return run.target_accuracy is not None and accuracy >= run.target_accuracy
 
     start = time.perf_counter()
@@ -136,8 +167,13 @@ def train_mqar(
             model,
             lambda batch: scored_loss(model, batch["input_ids"], batch["labels"]),
             batches(train, run.batch_size, seed=run.seed),
-            steps=run.steps, lr=run.lr, weight_decay=run.weight_decay, warmup_steps=run.warmup_steps,
-            device=device, callback=evaluate_and_stop, progress=bar,
+            steps=run.steps,
+            lr=run.lr,
+            weight_decay=run.weight_decay,
+            warmup_steps=run.warmup_steps,
+            device=device,
+            callback=evaluate_and_stop,
+            progress=bar,
         )
     diverged = not math.isfinite(losses[-1])
     return MQARResult(
@@ -146,7 +182,9 @@ def train_mqar(
         seq_len=task.seq_len,
         num_kv_pairs=task.num_kv_pairs,
         vocab_size=task.vocab_size,
-        state_floats=state_floats(spec, d_model=d_model, num_heads=run.num_heads, num_layers=run.num_layers, seq_len=task.seq_len),
+        state_floats=state_floats(
+            spec, d_model=d_model, num_heads=run.num_heads, num_layers=run.num_layers, seq_len=task.seq_len
+        ),
         accuracy=float("nan") if diverged else accuracy,
         steps=len(losses),
         seconds=time.perf_counter() - start,
@@ -164,7 +202,8 @@ def write_table(results: list[MQARResult], path: Path) -> None:
     for r in results:
         accuracy = "diverged" if r.diverged else f"{r.accuracy:.3f}"
         lines.append(
-            f"| {r.attention} | {r.d_model} | {r.seq_len} | {r.num_kv_pairs} | {r.state_floats:,} | {accuracy} | {r.steps} | {r.seconds:.0f} |"
+            f"| {r.attention} | {r.d_model} | {r.seq_len} | {r.num_kv_pairs} | {r.state_floats:,} | {accuracy} "
+            f"| {r.steps} | {r.seconds:.0f} |"
         )
     path.write_text("\n".join(lines) + "\n")
 
@@ -188,11 +227,17 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
     largest_k = max(r.num_kv_pairs for r in results)
     views = {
         "accuracy_vs_kv_pairs.png": (
-            lambda r: r.d_model == largest_d, lambda r: r.num_kv_pairs, "number of key-value pairs K", False,
+            lambda r: r.d_model == largest_d,
+            lambda r: r.num_kv_pairs,
+            "number of key-value pairs K",
+            False,
             f"MQAR, d_model={largest_d}",
         ),
         "accuracy_vs_state_size.png": (
-            lambda r: r.num_kv_pairs == largest_k, lambda r: r.state_floats, "state per sequence (floats)", True,
+            lambda r: r.num_kv_pairs == largest_k,
+            lambda r: r.state_floats,
+            "state per sequence (floats)",
+            True,
             f"MQAR, K={largest_k}",
         ),
     }
@@ -216,43 +261,72 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------- CLI
+#: Help of the integer and float flags that set `MQARRun` fields.
+RUN_FLAGS_HELP = {
+    "steps": "optimizer steps per model (fewer when --target-accuracy is reached)",
+    "batch_size": "sequences per optimizer step",
+    "warmup_steps": "linear learning-rate warm-up steps (then cosine decay)",
+    "num_train": "training sequences generated per task",
+    "num_test": "held-out sequences generated per task",
+    "eval_every": "held-out accuracy every N steps (and at the end)",
+    "num_layers": "decoder layers of each model",
+    "num_heads": "attention heads of each model (must divide every --d-model)",
+    "seed": "seed of the data, the initialisation and the batch order",
+    "lr": "peak AdamW learning rate",
+    "weight_decay": "AdamW weight decay of linear and embedding weights",
+}
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--attention", nargs="+", default=list(DEFAULT_SPECS), help="attention presets to compare")
     parser.add_argument("--d-model", type=int, nargs="+", default=[64], help="model widths (state size grows with it)")
     parser.add_argument("--num-kv-pairs", type=int, nargs="+", default=[4, 8, 16], help="K values, one model per K")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=256, help="Zoology uses 8192; a small vocab trains faster on CPU")
-    parser.add_argument("--power-a", type=float, default=0.01)
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (>= 4 K)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=256, help="Zoology uses 8192; a small vocab trains faster on CPU"
+    )
+    power_help = "a > 0: query slot i has weight (i+1)^(a-1); small a favours short gaps"
+    parser.add_argument("--power-a", type=float, default=0.01, help=power_help)
     defaults = MQARRun()
-    for name in ("steps", "batch_size", "warmup_steps", "num_train", "num_test", "eval_every", "num_layers", "num_heads", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    for name in ("lr", "weight_decay"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
-    parser.add_argument("--target-accuracy", type=float, default=defaults.target_accuracy, help="stop a run early once reached")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    for name, help_text in RUN_FLAGS_HELP.items():
+        kind = float if isinstance(getattr(defaults, name), float) else int
+        flag, default = f"--{name.replace('_', '-')}", getattr(defaults, name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)")
+    parser.add_argument(
+        "--target-accuracy", type=float, default=defaults.target_accuracy, help="stop a run early once reached"
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/mqar"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/mqar"), help="folder for the results and plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _tasks(args) -> list[MQARConfig]:
+    """One task per K, every model width and attention checked first (before anything runs)."""
+    for d_model in args.d_model:
+        check_width(d_model, args.num_heads)
+    with user_input_checks(ValueError, TypeError):
+        for name in args.attention:
+            AttentionSpec.coerce(name)
+        return [
+            MQARConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, num_kv_pairs=k, power_a=args.power_a)
+            for k in args.num_kv_pairs
+        ]
 
 
 def run(args) -> str:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    for name in args.attention:
-        AttentionSpec.coerce(name)
+    set_threads(args.threads)
+    budget = MQARRun(**{name: getattr(args, name) for name in (*RUN_FLAGS_HELP, "target_accuracy")})
+    tasks = _tasks(args)
     device = resolve_device(args.device)
-    budget = MQARRun(
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, num_train=args.num_train, num_test=args.num_test, eval_every=args.eval_every,
-        target_accuracy=args.target_accuracy, num_layers=args.num_layers, num_heads=args.num_heads, seed=args.seed,
-    )
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for d_model in args.d_model:
-        for k in args.num_kv_pairs:
-            task = MQARConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, num_kv_pairs=k, power_a=args.power_a)
+        for task in tasks:
             for attention in args.attention:
-                results.append(train_mqar(attention, task, d_model, budget, device=device, progress=not args.no_progress))
+                results.append(
+                    train_mqar(attention, task, d_model, budget, device=device, progress=not args.no_progress)
+                )
                 write_csv(results, args.output_dir / "results.csv")
     write_table(results, args.output_dir / "results.md")
     plots = plot_results(results, args.output_dir)

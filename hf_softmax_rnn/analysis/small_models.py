@@ -13,6 +13,34 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
+from hf_softmax_rnn.errors import UserInputError
+
+
+def check_at_least(flag: str, value: float | None, minimum: int = 1) -> None:
+    """Refuse `value` below `minimum` (None passes: the flag was not given)."""
+    if value is not None and not value >= minimum:
+        kind = "an int" if isinstance(value, int) else "a number"
+        raise UserInputError(f"{flag}={value!r} is not allowed; expected {kind} >= {minimum}")
+
+
+def check_positive(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise UserInputError(f"{flag}={value!r} is not allowed; expected a number > 0")
+
+
+def check_width(d_model: int, num_heads: int) -> None:
+    """`--d-model` splits evenly into `--num-heads` heads."""
+    check_at_least("--d-model", d_model)
+    check_at_least("--num-heads", num_heads)
+    if d_model % num_heads:
+        raise UserInputError(f"--d-model={d_model} is not divisible by --num-heads={num_heads}")
+
+
+def set_threads(threads: int | None) -> None:
+    """`torch.set_num_threads(threads)`, unless None (torch's choice)."""
+    check_at_least("--threads", threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def small_llama(
@@ -27,7 +55,7 @@ def small_llama(
 ) -> SoftmaxRNNLlamaForCausalLM:
     """A from-scratch Llama (RoPE, SwiGLU MLP of width 2*hidden, untied embeddings) with `attention`."""
     if hidden_size % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        raise UserInputError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     config = SoftmaxRNNLlamaConfig(
         attention=attention,
         vocab_size=vocab_size,
@@ -44,14 +72,31 @@ def small_llama(
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda if available, else mps, else cpu; anything else as given."""
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """ "auto" -> cuda if available, else mps, else cpu; anything else as given, if this machine has it."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise UserInputError(
+            f"--device={device!r} is not allowed; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        ) from error
+    if not _is_available(resolved):
+        raise UserInputError(f"--device={device!r} is not available on this machine; expected 'auto' or 'cpu'")
+    return resolved
+
+
+def _is_available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    if device.type == "mps":
+        return torch.backends.mps.is_available()
+    backend = getattr(torch, device.type, None)
+    return bool(getattr(backend, "is_available", lambda: False)())
 
 
 def selected_logits(model, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,7 +139,7 @@ def batches(tensors: dict[str, torch.Tensor], batch_size: int, *, seed: int) -> 
     generator = torch.Generator().manual_seed(seed)
     num_rows = next(iter(tensors.values())).shape[0]
     if batch_size > num_rows:
-        raise ValueError(f"batch_size={batch_size} is larger than the {num_rows} training rows")
+        raise UserInputError(f"batch_size={batch_size} is larger than the {num_rows} training rows")
     while True:
         order = torch.randperm(num_rows, generator=generator)
         for start in range(0, num_rows - batch_size + 1, batch_size):
@@ -121,7 +166,9 @@ def train_steps(
     `callback(step, loss) -> stop` runs after each step (evaluation, early stopping). A
     non-finite loss stops training (the run diverged) and is returned as the last entry.
     """
-    optimizer, schedule = optimizer_and_schedule(model, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
+    optimizer, schedule = optimizer_and_schedule(
+        model, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps
+    )
     model.train()
     losses = []
     for step in range(1, steps + 1):

@@ -1,10 +1,10 @@
 """`hf-softmax-rnn taylor-terms MODEL`: how large is each Taylor term of exp(q.k/sqrt(d))?
 
-exp(x) = sum_n x^n / n! (SPEC section 1): order n is one additive RNN. For each layer and
+exp(x) = sum_n x^n / n! (docs/design.md, section 1): order n is one additive RNN. For each layer and
 order n this measures the mean of |x^n / n!| over all causal (query, key) pairs and heads,
 x = q_t.k_s * scaling with q, k after RoPE, on real text, and the dominant order per layer
 (the n with the largest mean). A dominant order well above 1 means linear attention
-(order 1) misses most of what softmax computes (SPEC section 6, claim 5).
+(order 1) misses most of what softmax computes (the paper's claim 5, docs/design.md section 8).
 
 q and k are recomputed from each attention module's input by a forward pre-hook
 (`q_proj`, `k_proj`, optional `q_norm`/`k_norm`, RoPE), so the model's own forward pass is
@@ -12,7 +12,7 @@ unchanged; this works for Llama-family models, including the SoftmaxRNN ones.
 
 With `--truncation-orders`, it also converts the model to exp truncated at each order N
 (softmax denominator, no training) and measures perplexity: how many terms this model needs
-before the finite RNN behaves like its softmax (SPEC section 6, claim 1). Run it in float64
+before the finite RNN behaves like its softmax (claim 1, docs/design.md section 8). Run it in float64
 (`--dtype float64`): a truncated series at large negative scores cancels catastrophically
 in float32.
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from hf_softmax_rnn.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +56,15 @@ def attention_modules(model) -> list[torch.nn.Module]:
     """The self-attention module of each decoder layer of a Llama-family model."""
     layers = getattr(getattr(model, "base_model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
-        raise ValueError(
+        raise UserInputError(
             f"{type(model).__name__} has no Llama-style `base_model.layers[i].self_attn`; taylor-terms supports "
             "Llama-family models (q_proj, k_proj and RoPE position embeddings)"
         )
     for module in (layer.self_attn for layer in layers):
         if not (hasattr(module, "q_proj") and hasattr(module, "k_proj")):
-            raise ValueError(f"{type(module).__name__} has no q_proj/k_proj; taylor-terms supports Llama-family attention")
+            raise UserInputError(
+                f"{type(module).__name__} has no q_proj/k_proj; taylor-terms supports Llama-family attention"
+            )
     return [layer.self_attn for layer in layers]
 
 
@@ -96,7 +100,7 @@ def taylor_term_magnitudes(
     """Mean |x^n/n!| per layer and order over the causal scores of `blocks` (`[N, L]` token ids,
     no padding: pack the text into full blocks)."""
     if max_order < 1:
-        raise ValueError(f"max_order={max_order} is not allowed; expected an int >= 1")
+        raise UserInputError(f"max_order={max_order} is not allowed; expected an int >= 1")
     modules = attention_modules(model)
     sums = torch.zeros(len(modules), max_order + 1, dtype=torch.float64)
     max_abs = torch.zeros(len(modules), dtype=torch.float64)
@@ -119,7 +123,9 @@ def taylor_term_magnitudes(
     was_training = model.training
     model.eval()
     try:
-        for start in tqdm(range(0, blocks.shape[0], batch_size), desc="Taylor terms", unit="batch", disable=not progress):
+        for start in tqdm(
+            range(0, blocks.shape[0], batch_size), desc="Taylor terms", unit="batch", disable=not progress
+        ):
             ids = blocks[start : start + batch_size].to(device)
             model(input_ids=ids, use_cache=False)
     finally:
@@ -171,8 +177,13 @@ def write_csvs(terms: TaylorTerms, directory: Path) -> tuple[Path, Path]:
         for layer in range(terms.mean_abs_terms.shape[0]):
             row = terms.mean_abs_terms[layer]
             writer.writerow(
-                [layer, int(terms.dominant_order[layer]), float(terms.mean_abs_score[layer]),
-                 float(terms.max_abs_score[layer]), float(row[1] / row.sum())]
+                [
+                    layer,
+                    int(terms.dominant_order[layer]),
+                    float(terms.mean_abs_score[layer]),
+                    float(terms.max_abs_score[layer]),
+                    float(row[1] / row.sum()),
+                ]
             )
     return long_path, summary_path
 
@@ -189,7 +200,9 @@ def plot_heatmap(terms: TaylorTerms, path: Path, title: str) -> Path:
     values = (values - values.amax(dim=1, keepdim=True)).numpy()
     num_layers, num_orders = values.shape
     figure, axis = plt.subplots(figsize=(min(11, 4 + num_orders / 12), min(9, 2 + num_layers / 5)))
-    image = axis.imshow(values, aspect="auto", origin="lower", cmap="viridis", vmin=-16, vmax=0, interpolation="nearest")
+    image = axis.imshow(
+        values, aspect="auto", origin="lower", cmap="viridis", vmin=-16, vmax=0, interpolation="nearest"
+    )
     axis.scatter(terms.dominant_order.numpy(), range(num_layers), marker="x", color="red", s=18, label="dominant order")
     axis.set(xlabel="Taylor order n", ylabel="layer", title=title)
     figure.colorbar(image, ax=axis, label="log10 mean |x^n/n!| (relative to the layer's largest)")
@@ -222,19 +235,40 @@ def plot_truncation(results: dict[str, float], path: Path, title: str) -> Path:
 
 # ---------------------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
-    parser.add_argument("model", nargs="?", default="default", help='"default" (embedded model), a local directory or a Hub id')
+    parser.add_argument(
+        "model", nargs="?", default="default", help='"default" (embedded model), a local directory or a Hub id'
+    )
     parser.add_argument("--dataset", default=None, help="corpus for load_corpus (default: the offline pydoc corpus)")
-    parser.add_argument("--split", default="test", choices=["train", "test"])
+    parser.add_argument("--split", default="test", choices=["train", "test"], help="split of the corpus to score")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--num-blocks", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-order", type=int, default=100)
-    parser.add_argument("--truncation-orders", type=int, nargs="*", default=[], help="also measure perplexity with exp truncated at these orders")
-    parser.add_argument("--truncation-tokens", type=int, default=1024, help="tokens of held-out text for --truncation-orders")
+    parser.add_argument("--num-blocks", type=int, default=8, help="sequences scored (the first N blocks of the split)")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    parser.add_argument("--max-order", type=int, default=100, help="highest Taylor order n measured")
+    parser.add_argument(
+        "--truncation-orders",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also measure perplexity with exp truncated at these orders",
+    )
+    parser.add_argument(
+        "--truncation-tokens", type=int, default=1024, help="tokens of held-out text for --truncation-orders"
+    )
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="float64 for --truncation-orders")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/taylor_terms"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/taylor_terms"), help="folder for CSVs and plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _check_args(args) -> None:
+    from hf_softmax_rnn.analysis.small_models import check_at_least
+
+    for flag in ("--num-blocks", "--batch-size", "--max-order"):
+        check_at_least(flag, getattr(args, flag[2:].replace("-", "_")))
+    check_at_least("--block-size", args.block_size, minimum=2)
+    check_at_least("--truncation-tokens", args.truncation_tokens, minimum=2)
+    if any(order < 0 for order in args.truncation_orders):
+        raise UserInputError(f"--truncation-orders={args.truncation_orders} is not allowed; expected ints >= 0")
 
 
 def run(args) -> str:
@@ -242,20 +276,33 @@ def run(args) -> str:
     from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
     from hf_softmax_rnn.default_model import resolve_model
 
+    _check_args(args)
+    device = resolve_device(args.device)
+    texts = load_corpus(args.dataset)[args.split]
     model, tokenizer = resolve_model(args.model, dtype=_DTYPES[args.dtype])
-    model.to(resolve_device(args.device))
-    packed = pack_texts(load_corpus(args.dataset)[args.split], tokenizer, args.block_size)
+    model.to(device)
+    packed = pack_texts(texts, tokenizer, args.block_size)
     if len(packed) == 0:
-        raise ValueError(f"The {args.split} split has fewer than block_size={args.block_size} tokens; lower --block-size")
+        raise UserInputError(
+            f"The {args.split} split has fewer than block_size={args.block_size} tokens; lower --block-size"
+        )
     blocks = torch.tensor(packed["input_ids"][: args.num_blocks])
     logger.info("Scoring %d blocks of %d tokens", blocks.shape[0], blocks.shape[1])
-    terms = taylor_term_magnitudes(model, blocks, max_order=args.max_order, batch_size=args.batch_size, progress=not args.no_progress)
+    terms = taylor_term_magnitudes(
+        model, blocks, max_order=args.max_order, batch_size=args.batch_size, progress=not args.no_progress
+    )
     args.output_dir.mkdir(parents=True, exist_ok=True)
     paths = write_csvs(terms, args.output_dir)
-    heatmap = plot_heatmap(terms, args.output_dir / "taylor_terms.png", f"Taylor terms of exp(q.k/sqrt(d)): {args.model}")
+    heatmap = plot_heatmap(
+        terms, args.output_dir / "taylor_terms.png", f"Taylor terms of exp(q.k/sqrt(d)): {args.model}"
+    )
     at_boundary = (terms.dominant_order == args.max_order).nonzero().flatten().tolist()
     if at_boundary:
-        logger.warning("Layers %s peak at max_order=%d: raise --max-order to find their dominant order", at_boundary, args.max_order)
+        logger.warning(
+            "Layers %s peak at max_order=%d: raise --max-order to find their dominant order",
+            at_boundary,
+            args.max_order,
+        )
     report = ["| layer | dominant order | mean abs x | max abs x | order-1 share of sum |", "|---|---|---|---|---|"]
     for layer in range(terms.mean_abs_terms.shape[0]):
         row = terms.mean_abs_terms[layer]
@@ -268,7 +315,12 @@ def run(args) -> str:
         stream = torch.tensor([t for block in packed["input_ids"] for t in block][: args.truncation_tokens])
         window = min(args.block_size, len(stream))
         results = truncation_perplexities(
-            model, stream, sorted(args.truncation_orders), max_length=window, stride=max(1, window // 2), progress=not args.no_progress
+            model,
+            stream,
+            sorted(args.truncation_orders),
+            max_length=window,
+            stride=max(1, window // 2),
+            progress=not args.no_progress,
         )
         with (args.output_dir / "truncation.csv").open("w", newline="") as handle:
             writer = csv.writer(handle)

@@ -25,6 +25,7 @@ from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.layers.cache import cache_nbytes
 
@@ -42,14 +43,43 @@ FINETUNE_HINT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL_ALIAS, help="'default' (embedded SmolLM2-135M-Instruct), a local dir or a Hub id")
-    parser.add_argument("--dataset", default=None, help="held-out text: 'pydoc' (default, offline), files or a Hub dataset")
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="attention presets to compare")
-    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="N", help="prompt lengths (tokens) for the speed columns")
-    parser.add_argument("--max-eval-tokens", type=int, default=2048, help="tokens of held-out text scored for perplexity")
-    parser.add_argument("--eval-window", type=int, default=1024, help="perplexity windows (non-overlapping): each token sees 0 to N-1 tokens of context")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per speed measurement and per sample")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_ALIAS,
+        help="'default' (embedded SmolLM2-135M-Instruct), a local dir or a Hub id",
+    )
+    parser.add_argument(
+        "--dataset", default=None, help="held-out text: 'pydoc' (default, offline), files or a Hub dataset"
+    )
+    parser.add_argument(
+        "--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="attention presets to compare"
+    )
+    parser.add_argument(
+        "--contexts",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_CONTEXTS),
+        metavar="N",
+        help="prompt lengths (tokens) for the speed columns",
+    )
+    parser.add_argument(
+        "--max-eval-tokens", type=int, default=2048, help="tokens of held-out text scored for perplexity"
+    )
+    parser.add_argument(
+        "--eval-window",
+        type=int,
+        default=1024,
+        help="perplexity windows (non-overlapping): each token sees 0 to N-1 tokens of context",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=16, help="tokens generated per speed measurement and per sample"
+    )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="chat prompt of the generated samples")
     parser.add_argument("--output", type=Path, default=None, help="directory to write demo.md and demo.json into")
 
@@ -119,7 +149,9 @@ def time_generation(model, context_ids: torch.Tensor, new_tokens: int, prefill_c
 def chat_sample(model, tokenizer, prompt: str, new_tokens: int) -> str:
     """Greedy answer to `prompt`, chat-formatted when the tokenizer has a chat template."""
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     else:
         text = prompt
     ids = tokenizer(text, add_special_tokens=tokenizer.chat_template is None, return_tensors="pt").input_ids
@@ -134,24 +166,37 @@ def decode_state(spec: AttentionSpec, head_dim: int) -> str:
     return "KV cache (exact exp)" if spec.kind != "softmax" else "KV cache"
 
 
-def evaluate_preset(base_model, tokenizer, preset: str, eval_ids: list[int], contexts: list[torch.Tensor], args) -> PresetResult:
+def evaluate_preset(
+    base_model, tokenizer, preset: str, eval_ids: list[int], contexts: list[torch.Tensor], args
+) -> PresetResult:
     """Convert `base_model` (a copy; the original is left as it is) to `preset` and measure it."""
     model = convert(base_model, preset).eval()
     if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model.generation_config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
     spec = AttentionSpec.from_preset(preset)
     logger.info("%s: %s", preset, spec.describe())
-    total_nll, num_tokens = stream_nll(model, eval_ids, max_length=args.eval_window, stride=args.eval_window - 1, progress=True)
+    total_nll, num_tokens = stream_nll(
+        model, eval_ids, max_length=args.eval_window, stride=args.eval_window - 1, progress=True
+    )
     mean_nll = total_nll / num_tokens
     timings = []
     for context_ids in contexts:
         timing = time_generation(model, context_ids, args.new_tokens, args.prefill_chunk)
         logger.info(
             "%s at %d tokens of context: prefill %.1f s, %.1f tokens/s, cache %s",
-            preset, timing.context, timing.prefill_s, timing.tokens_per_s, format_bytes(timing.cache_bytes),
+            preset,
+            timing.context,
+            timing.prefill_s,
+            timing.tokens_per_s,
+            format_bytes(timing.cache_bytes),
         )
         timings.append(timing)
-    head_dim = getattr(base_model.config, "head_dim", None) or base_model.config.hidden_size // base_model.config.num_attention_heads
+    head_dim = (
+        getattr(base_model.config, "head_dim", None)
+        or base_model.config.hidden_size // base_model.config.num_attention_heads
+    )
     return PresetResult(
         preset=preset,
         description=spec.describe(),
@@ -189,7 +234,8 @@ def format_table(results: list[PresetResult], model_name: str, eval_window: int)
     new_tokens = results[0].timings[0].new_tokens if results[0].timings else 0
     return "\n".join(
         [
-            f"Model: {model_name}. Perplexity over {eval_tokens} held-out tokens (windows of {eval_window}); tok/s = greedy decoding of "
+            f"Model: {model_name}. Perplexity over {eval_tokens} held-out tokens (windows of {eval_window}); "
+            "tok/s = greedy decoding of "
             f"{new_tokens} tokens after a prompt of that many tokens; cache = bytes held after it.",
             "",
             *lines,
@@ -204,12 +250,13 @@ def format_table(results: list[PresetResult], model_name: str, eval_window: int)
 def _check_args(args) -> None:
     unknown = [p for p in args.presets if p not in PRESETS]
     if unknown:
-        raise ValueError(f"Unknown presets {unknown}; expected names from {sorted(PRESETS)}")
+        raise UserInputError(f"Unknown presets {unknown}; expected names from {sorted(PRESETS)}")
     for name in ("max_eval_tokens", "eval_window", "prefill_chunk", "new_tokens"):
         if getattr(args, name) < 2:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed; expected an int >= 2")
+            flag = f"--{name.replace('_', '-')}"
+            raise UserInputError(f"{flag}={getattr(args, name)} is not allowed; expected an int >= 2")
     if any(c < 1 for c in args.contexts):
-        raise ValueError(f"--contexts={args.contexts} is not allowed; expected positive ints")
+        raise UserInputError(f"--contexts={args.contexts} is not allowed; expected positive ints")
 
 
 def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[torch.Tensor]:
@@ -229,7 +276,7 @@ def run(args) -> str:
     eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
     max_positions = getattr(base_model.config, "max_position_embeddings", None)
     if max_positions is not None and max(args.contexts) + args.new_tokens > max_positions:
-        raise ValueError(
+        raise UserInputError(
             f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
             f"max_position_embeddings={max_positions}; use shorter contexts"
         )
@@ -243,7 +290,11 @@ def run(args) -> str:
     if args.output is not None:
         args.output.mkdir(parents=True, exist_ok=True)
         (args.output / "demo.md").write_text(table + "\n")
-        payload = {"model": model_name, "settings": {k: str(v) for k, v in vars(args).items()}, "results": [dataclasses.asdict(r) for r in results]}
+        payload = {
+            "model": model_name,
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "results": [dataclasses.asdict(r) for r in results],
+        }
         (args.output / "demo.json").write_text(json.dumps(payload, indent=2) + "\n")
         logger.info("Wrote %s and %s", args.output / "demo.md", args.output / "demo.json")
     logger.info("Demo finished in %.0f s", time.perf_counter() - start)

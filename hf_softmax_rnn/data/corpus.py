@@ -7,16 +7,22 @@ sorted topic is held out), so train and test never share a document.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
+from datasets.exceptions import DatasetsError
+
+from hf_softmax_rnn.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS = "pydoc"
 _FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+#: Bytes of each local text-format file checked for UTF-8 before `datasets` reads it.
+_SNIFF_BYTES = 1 << 16
 
 
 def pydoc_corpus(test_every: int = 10) -> DatasetDict:
@@ -50,33 +56,85 @@ def load_corpus(
     """
     if dataset in (None, DEFAULT_CORPUS):
         return pydoc_corpus()
-    builder, data_files = _local_files(dataset)
-    try:
-        if builder is not None:
-            loaded = load_dataset(builder, data_files=data_files, streaming=streaming)
-        else:
-            loaded = load_dataset(dataset, config_name, streaming=streaming)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(
-            f"Dataset {dataset!r} was not found: pass 'pydoc' (offline default), a local .txt/.json/.jsonl/"
-            f".parquet/.csv file or folder, or a Hub dataset name (needs network; HF_HUB_OFFLINE="
-            f"{os.environ.get('HF_HUB_OFFLINE', '0')})"
-        ) from error
-    if isinstance(loaded, dict) and not isinstance(loaded, DatasetDict):
-        loaded = DatasetDict(loaded)
-    if text_column not in loaded["train"].column_names:
-        raise ValueError(
-            f"text_column={text_column!r} is not in dataset {dataset!r}; its columns are {loaded['train'].column_names}"
-        )
+    loaded = _load(dataset, config_name, streaming)
+    _check_text_column(loaded["train"], text_column, dataset)
     if text_column != "text":
         loaded = loaded.rename_column(text_column, "text")
     held_out = next((name for name in ("test", "validation") if name in loaded), None)
     if held_out is not None:
         return DatasetDict({"train": loaded["train"], "test": loaded[held_out]})
     if streaming:
-        raise ValueError(f"Streaming dataset {dataset!r} has no test/validation split; pass one as files")
-    parts = loaded["train"].train_test_split(test_size=test_fraction, seed=seed)
+        raise UserInputError(f"Streaming dataset {dataset!r} has no test/validation split; pass one as files")
+    try:
+        parts = loaded["train"].train_test_split(test_size=test_fraction, seed=seed)
+    except ValueError as error:
+        raise UserInputError(f"Dataset {dataset!r} is too small to hold out a test split: {error}") from error
     return DatasetDict({"train": parts["train"], "test": parts["test"]})
+
+
+def _load(dataset: str, config_name: str | None, streaming: bool) -> DatasetDict:
+    """`load_dataset` of local files (each checked first) or of a Hub dataset, as a DatasetDict."""
+    builder, data_files = _local_files(dataset)
+    try:
+        if builder is None:
+            loaded = load_dataset(dataset, config_name, streaming=streaming)
+        else:
+            for path in data_files:
+                _check_local_file(path)
+            loaded = load_dataset(builder, data_files=data_files, streaming=streaming)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"Dataset {dataset!r} was not found: pass 'pydoc' (offline default), a local .txt/.json/.jsonl/"
+            f".parquet/.csv file or folder, or a Hub dataset name (needs network; HF_HUB_OFFLINE="
+            f"{os.environ.get('HF_HUB_OFFLINE', '0')})"
+        ) from error
+    except (DatasetsError, StopIteration, ValueError) as error:
+        if builder is None or isinstance(error, UserInputError):
+            raise
+        cause = _root_cause(error)
+        raise UserInputError(f"Dataset {dataset!r} could not be read as {builder} files: {cause}") from error
+    return loaded if isinstance(loaded, DatasetDict) or not isinstance(loaded, dict) else DatasetDict(loaded)
+
+
+def _check_local_file(path: str) -> None:
+    """Refuse an empty file, or a text-format file that is not UTF-8 text, naming it."""
+    file = Path(path)
+    if file.stat().st_size == 0:
+        raise UserInputError(f"Dataset file {path!r} is empty; expected {file.suffix} data in it")
+    if file.suffix == ".parquet":
+        return
+    with file.open("rb") as handle:
+        head = handle.read(_SNIFF_BYTES)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        if b"\0" in head:
+            raise UnicodeDecodeError("utf-8", head, head.index(b"\0"), head.index(b"\0") + 1, "NUL byte")
+    except UnicodeDecodeError as error:
+        raise UserInputError(
+            f"Dataset file {path!r} is not UTF-8 text ({error.reason} at byte {error.start}); "
+            f"expected a {file.suffix} file of UTF-8 text"
+        ) from error
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost cause of `error` (what `datasets` wraps)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+
+
+def _check_text_column(train: Dataset | IterableDataset, text_column: str, dataset: str) -> None:
+    """The training split has rows and a string column `text_column`."""
+    if text_column not in (train.column_names or []):
+        raise UserInputError(
+            f"text_column={text_column!r} is not in dataset {dataset!r}; its columns are {train.column_names}"
+        )
+    if isinstance(train, Dataset) and len(train) == 0:
+        raise UserInputError(f"Dataset {dataset!r} is empty; expected at least one text")
+    feature = (train.features or {}).get(text_column)
+    dtype = getattr(feature, "dtype", type(feature).__name__)
+    if feature is not None and dtype not in ("string", "large_string"):
+        raise UserInputError(f"Column {text_column!r} of dataset {dataset!r} holds {dtype} values; expected strings")
 
 
 def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
@@ -95,7 +153,7 @@ def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
     suffixes = {Path(f).suffix for f in files}
     builders = {_FILE_BUILDERS[s] for s in suffixes}
     if len(builders) != 1:
-        raise ValueError(f"Dataset {dataset!r} mixes file types {sorted(suffixes)}; pass one type at a time")
+        raise UserInputError(f"Dataset {dataset!r} mixes file types {sorted(suffixes)}; pass one type at a time")
     return builders.pop(), files
 
 
@@ -128,4 +186,6 @@ def pack_texts(
         tokenized = texts.map(tokenize, batched=True, remove_columns=columns)
         return tokenized.map(group, batched=True, batch_size=1000)
     tokenized = texts.map(tokenize, batched=True, remove_columns=columns, num_proc=num_proc, desc="Tokenising")
-    return tokenized.map(group, batched=True, batch_size=1000, num_proc=num_proc, desc=f"Packing into {block_size}-token blocks")
+    return tokenized.map(
+        group, batched=True, batch_size=1000, num_proc=num_proc, desc=f"Packing into {block_size}-token blocks"
+    )

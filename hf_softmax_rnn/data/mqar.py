@@ -1,4 +1,4 @@
-"""Multi-query associative recall (MQAR; Arora et al., "Zoology", 2023), SPEC section 7.
+"""Multi-query associative recall (MQAR; Arora et al., "Zoology", 2023); see docs/design.md, section 9.
 
 One example of length `seq_len` with K = `num_kv_pairs`:
 
@@ -99,7 +99,9 @@ def _generate(config: MQARConfig, rng: np.random.Generator, n: int) -> tuple[np.
     return input_ids, labels
 
 
-def generate_mqar(num_examples: int, config: MQARConfig | None = None, *, seed: int | np.random.SeedSequence = 0) -> Dataset:
+def generate_mqar(
+    num_examples: int, config: MQARConfig | None = None, *, seed: int | np.random.SeedSequence = 0
+) -> Dataset:
     """`num_examples` MQAR sequences as a Dataset with "input_ids" and "labels" `[seq_len]` each."""
     if num_examples < 1:
         raise ValueError(f"num_examples={num_examples} is not allowed; expected an int >= 1")

@@ -7,6 +7,7 @@ from hf_softmax_rnn.layers.attention import (
     SoftmaxRNNLlamaAttention,
     set_attention_transfer,
     softmax_rnn_attention_modules,
+    student_outputs,
     transfer_losses,
 )
 from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE, RecurrentStateLayer, cache_nbytes
@@ -21,5 +22,6 @@ __all__ = [
     "cache_nbytes",
     "set_attention_transfer",
     "softmax_rnn_attention_modules",
+    "student_outputs",
     "transfer_losses",
 ]

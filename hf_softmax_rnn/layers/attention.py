@@ -19,9 +19,10 @@ pretrained weights and PEFT targets work unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 from transformers.pytorch_utils import Conv1D
 
-from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
 from hf_softmax_rnn.ops.attention import attention
 from hf_softmax_rnn.ops.kernels import AttentionParams
@@ -40,8 +41,6 @@ from hf_softmax_rnn.ops.softmax import softmax_attention
 
 logger = logging.getLogger(__name__)
 
-#: Forward modes without a cache (`config.attention_mode`); "chunked" applies to finite-state layers.
-NO_CACHE_MODES = ("parallel", "chunked")
 #: Gate bias at initialisation: sigmoid(5) = 0.993, so a gate starts (almost) open.
 GATE_BIAS_INIT = 5.0
 #: Initial logit p_h of the seqlen_pow normaliser (values divided by t^sigmoid(p_h)).
@@ -138,10 +137,19 @@ class SoftmaxRNNAttentionMixin:
     QKV_PROJECTIONS: tuple[str, ...] = ()
 
     def init_softmax_rnn(
-        self, spec: AttentionSpec, attention_mode: str, *, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int
+        self,
+        spec: AttentionSpec,
+        attention_mode: str,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
     ) -> None:
         if attention_mode not in NO_CACHE_MODES:
-            raise ValueError(f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}")
+            raise ValueError(
+                f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}"
+            )
         self.attention_spec = spec
         self.uses_recurrent_state = spec.fits_recurrent_state(head_dim)
         self.attention_mode = attention_mode if self.uses_recurrent_state else "parallel"
@@ -198,7 +206,9 @@ class SoftmaxRNNAttentionMixin:
         gates = self.rnn_params.gates(hidden_states)
         input_gate = gates.pop("input", None)
         gated_value = value if input_gate is None else value * input_gate.unsqueeze(-1).to(value.dtype)
-        common = dict(attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling)
+        common = dict(
+            attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
+        )
         spec = self.attention_spec
         if cache is None:
             out, _ = attention(query, key, gated_value, spec, mode=self.attention_mode, **common)
@@ -230,7 +240,9 @@ class SoftmaxRNNAttentionMixin:
         key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
         return softmax_attention(query, key, value, key_mask, self.scaling)
 
-    def _transfer_loss(self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _transfer_loss(
+        self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """MSE (in float32 or wider) between this layer's output and the teacher's, over non-padded
         query positions. Outputs `[B, H, L, D]`."""
         key_mask = None if attention_mask is None else attention_mask[:, -student.shape[-2] :].bool()
@@ -290,7 +302,8 @@ class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
         """q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (RoPE applied), with the frozen teacher weights if `frozen`."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (
-            self.projection(name, hidden_states, frozen).view(hidden_shape).transpose(1, 2) for name in self.QKV_PROJECTIONS
+            self.projection(name, hidden_states, frozen).view(hidden_shape).transpose(1, 2)
+            for name in self.QKV_PROJECTIONS
         )
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
@@ -372,6 +385,21 @@ def set_attention_transfer(
         module.teacher_forcing = bool(teacher_forcing)
         module.transfer_loss = None
         module.freeze_teacher(bool(enabled and trained & set(module.QKV_PROJECTIONS)))
+
+
+@contextlib.contextmanager
+def student_outputs(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every layer computes and passes on its own output (attention transfer
+    paused, e.g. to measure the converted model's perplexity in the middle of a transfer stage)."""
+    modules = softmax_rnn_attention_modules(model)
+    saved = [module.attention_transfer for module in modules]
+    for module in modules:
+        module.attention_transfer = False
+    try:
+        yield model
+    finally:
+        for module, transfer in zip(modules, saved):
+            module.attention_transfer = transfer
 
 
 def transfer_losses(model: nn.Module) -> list[torch.Tensor]:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.layers.attention import NO_CACHE_MODES
+from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
 
 #: `layer_types` entry of a layer decoded from a KV cache (transformers' `DynamicLayer`).
@@ -31,7 +30,8 @@ class SoftmaxRNNConfigMixin:
         self.attention = AttentionSpec.coerce("softmax" if self.attention is None else self.attention).to_dict()
         if self.layer_attention is not None:
             self.layer_attention = {
-                str(self._layer_index(key)): AttentionSpec.coerce(value).to_dict() for key, value in self.layer_attention.items()
+                str(self._layer_index(key)): AttentionSpec.coerce(value).to_dict()
+                for key, value in self.layer_attention.items()
             }
         self.validate_attention()
 
@@ -47,7 +47,9 @@ class SoftmaxRNNConfigMixin:
     def validate_attention(self) -> None:
         """Part of `@strict` validation: every spec valid, layer keys in range, a known mode."""
         if self.attention_mode not in NO_CACHE_MODES:
-            raise ValueError(f"attention_mode={self.attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}")
+            raise ValueError(
+                f"attention_mode={self.attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}"
+            )
         AttentionSpec.coerce(self.attention)
         for key, value in (self.layer_attention or {}).items():
             self._layer_index(key)
@@ -70,7 +72,9 @@ class SoftmaxRNNConfigMixin:
     def layer_types(self) -> list[str]:
         """Cache layer type per layer: a recurrent state where the spec's state fits, else a KV cache."""
         return [
-            RECURRENT_LAYER_TYPE if self.attention_spec(i).fits_recurrent_state(self.attention_head_dim) else KV_LAYER_TYPE
+            RECURRENT_LAYER_TYPE
+            if self.attention_spec(i).fits_recurrent_state(self.attention_head_dim)
+            else KV_LAYER_TYPE
             for i in range(self.num_hidden_layers)
         ]
 

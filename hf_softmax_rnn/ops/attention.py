@@ -51,9 +51,16 @@ class RecurrentState:
 
     @classmethod
     def zeros(
-        cls, batch: int, kv_heads: int, feature_dim: int, head_dim: int, value_dim: int, window: int | None = None,
-        device=None, dtype=None,
-    ) -> "RecurrentState":
+        cls,
+        batch: int,
+        kv_heads: int,
+        feature_dim: int,
+        head_dim: int,
+        value_dim: int,
+        window: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> RecurrentState:
         """The state before any position (an empty window buffer when `window` is set)."""
         state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
@@ -66,18 +73,22 @@ class RecurrentState:
         return state
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, field.name) for field in dataclasses.fields(self) if getattr(self, field.name) is not None]
+        return [
+            getattr(self, field.name) for field in dataclasses.fields(self) if getattr(self, field.name) is not None
+        ]
 
     @property
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.tensors())
 
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RecurrentState":
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RecurrentState:
         """Apply `fn` to each tensor (index_select, repeat_interleave, ...) along the batch."""
-        return RecurrentState(**{
-            field.name: None if getattr(self, field.name) is None else fn(getattr(self, field.name))
-            for field in dataclasses.fields(self)
-        })
+        return RecurrentState(
+            **{
+                field.name: None if getattr(self, field.name) is None else fn(getattr(self, field.name))
+                for field in dataclasses.fields(self)
+            }
+        )
 
 
 def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> None:
@@ -97,16 +108,22 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
     if mode == "parallel" and state is not None:
         raise ValueError("attention: mode='parallel' takes no state; pass past keys and values in k, v instead")
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != q.shape[0]):
-        raise ValueError(f"attention_mask must be a 2-D padding mask [B, L_total]; got shape {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask [B, L_total]; got shape {tuple(attention_mask.shape)}"
+        )
     if attention_mask is not None and attention_mask.shape[1] < k.shape[-2]:
-        raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys")
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
+        )
     unknown = sorted(set(gates) - {"output"})
     if unknown:
         raise ValueError(f"attention: unknown gates {unknown}; expected only 'output' (the caller gates v itself)")
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
     if spec.window is not None and params.linear_log_scale is None:
-        raise ValueError(f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)")
+        raise ValueError(
+            f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
+        )
     if state is not None:
         _check_state(state, q, k, v, spec)
 
@@ -116,13 +133,16 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
     expected = (q.shape[0], k.shape[1], spec.feature_dim(q.shape[-1]), v.shape[-1] + 1)
     if tuple(state.packed.shape) != expected:
         raise ValueError(
-            f"attention: the state has shape {tuple(state.packed.shape)} but {spec.describe()} with batch {q.shape[0]}, "
+            f"attention: the state has shape {tuple(state.packed.shape)} but {spec.describe()} with batch "
+            f"{q.shape[0]}, "
             f"{k.shape[1]} KV heads and head_dim {q.shape[-1]} needs [B, Hkv, F, Dv + 1] = {list(expected)}"
         )
     has_window = state.window_keys is not None
     if has_window != (spec.window is not None) or (has_window and state.window_keys.shape[2] != spec.window):
         found = state.window_keys.shape[2] if has_window else None
-        raise ValueError(f"attention: the state holds a window of {found} positions but the spec has window={spec.window}")
+        raise ValueError(
+            f"attention: the state holds a window of {found} positions but the spec has window={spec.window}"
+        )
 
 
 def attention(
@@ -235,7 +255,9 @@ def _finite_state(
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
     if mode == "chunked":
-        linear, packed = chunked_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size)
+        linear, packed = chunked_linear_attention(
+            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size
+        )
     else:
         linear, packed = recurrent_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel)
     if spec.window is None:

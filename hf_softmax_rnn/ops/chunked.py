@@ -50,11 +50,19 @@ class ChunkKernel(Protocol):
     def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         """d x `[Bt, T, D]` from d phi `[Bt, F, T]`, for the last `chunk_features` call on `scratch`."""
 
-    def chunk_scores(self, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    def chunk_scores(
+        self, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch
+    ) -> torch.Tensor:
         """k(q_t, k_s) within a chunk `[Bt, T, C]` (unmasked; the caller may overwrite it)."""
 
     def chunk_scores_backward(
-        self, d_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch
+        self,
+        d_scores: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        phi_q: torch.Tensor,
+        phi_k: torch.Tensor,
+        scratch: Scratch,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(d q, d k, d phi(q), d phi(k)) from d scores, after the last `chunk_scores` call; None where
         the kernel sends nothing (it reaches q and k either directly or through the features)."""
@@ -83,7 +91,9 @@ class _Chunks:
         """Inverse of `chunk_first`: `[n, Bt, G * C, E]` -> `shape` (`[B, Hkv, (G,) L, E]`)."""
         groups = x.shape[2] // self.chunk_size
         x = x.view(self.chunks, x.shape[1], groups, self.chunk_size, x.shape[-1]).permute(1, 2, 0, 3, 4)
-        return x.reshape(x.shape[0], groups, self.chunks * self.chunk_size, x.shape[-1])[:, :, : self.length].reshape(shape)
+        return x.reshape(x.shape[0], groups, self.chunks * self.chunk_size, x.shape[-1])[:, :, : self.length].reshape(
+            shape
+        )
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """Zero the pairs s > t of a `[Bt, G*C, C]` tensor, in place."""
@@ -138,7 +148,9 @@ class _ChunkedKernelAttention(torch.autograd.Function):
             # Inside the chunk: out_c += (k(q_t, k_s) masked) v_s.
             d_intra = chunks.masked(torch.bmm(doc, vc.mT, out=scratch("d_intra", (bt, rows, ctx.chunk_size), q)))
             dv[c].baddbmm_(chunks.masked(kernel.chunk_scores(qc, kc, phi_q, phi_k, scratch)).mT, doc)
-            dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.chunk_scores_backward(d_intra, qc, kc, phi_q, phi_k, scratch)
+            dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.chunk_scores_backward(
+                d_intra, qc, kc, phi_q, phi_k, scratch
+            )
 
             # Across chunks: out_c += phi(q_c) S_{c-1}, and S_c = S_{c-1} + phi(k_c)^T v_c
             # (d_state holds dL/dS_c until phi(q_c) adds its share for S_{c-1}).
@@ -146,7 +158,12 @@ class _ChunkedKernelAttention(torch.autograd.Function):
             d_phi_q = torch.bmm(running, doc.mT, out=scratch("d_phi_q", (bt, feature_dim, rows), q))
             dv[c].baddbmm_(phi_k.mT, d_state)
             d_state.baddbmm_(phi_q, doc)
-            for found, total in ((d_phi_k_intra, d_phi_k), (d_phi_q_intra, d_phi_q), (dq_intra, dq[c]), (dk_intra, dk[c])):
+            for found, total in (
+                (d_phi_k_intra, d_phi_k),
+                (d_phi_q_intra, d_phi_q),
+                (dq_intra, dq[c]),
+                (dk_intra, dk[c]),
+            ):
                 if found is not None:
                     total += found
             dk[c] += kernel.chunk_features_backward(d_phi_k, key_scratch, query=False)

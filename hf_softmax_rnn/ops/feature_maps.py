@@ -79,7 +79,9 @@ class HedgehogKernel(FeatureKernel):
     """phi(x) = [softmax(xW), softmax(-xW)] with a learned W per head (Hedgehog / LoLCATs):
     `weight_q` `[H, D, F]`, `weight_k` `[Hkv, D, F]`."""
 
-    def __init__(self, scale: float, weight_q: torch.Tensor, weight_k: torch.Tensor, clamp: float | None = None) -> None:
+    def __init__(
+        self, scale: float, weight_q: torch.Tensor, weight_k: torch.Tensor, clamp: float | None = None
+    ) -> None:
         super().__init__(scale, clamp)
         self.learned = (weight_q, weight_k)
 
@@ -110,6 +112,8 @@ def build_kernel(spec: AttentionSpec, scale: float, params: AttentionParams) -> 
         return CosineKernel(scale, spec.norm_eps, clamp)
     if name == "hedgehog":
         if params.hedgehog_q is None or params.hedgehog_k is None:
-            raise ValueError("feature_map='hedgehog' needs params.hedgehog_q [H, D, F] and params.hedgehog_k [Hkv, D, F]")
+            raise ValueError(
+                "feature_map='hedgehog' needs params.hedgehog_q [H, D, F] and params.hedgehog_k [Hkv, D, F]"
+            )
         return HedgehogKernel(scale, params.hedgehog_q, params.hedgehog_k, clamp)
     return ElementwiseKernel(name, scale, clamp)

@@ -57,8 +57,9 @@ _NORMALIZERS: dict[str, NormalizerFn] = {
     "seqlen": lambda n, g, t, eps, p: n / _per_position(t),
     "seqlen_rms": lambda n, g, t, eps, p: _rms(n / _per_position(t), eps, p),
     "seqlen_layer": lambda n, g, t, eps, p: _layer(n / _per_position(t), eps, p),
-    "seqlen_pow": lambda n, g, t, eps, p: n
-    / _per_position(t).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None]),
+    "seqlen_pow": lambda n, g, t, eps, p: (
+        n / _per_position(t).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None])
+    ),
     "clamp": lambda n, g, t, eps, p: n / g.clamp_min(1.0).unsqueeze(-1),
     "detach": lambda n, g, t, eps, p: n / g.detach().clamp_min(1.0).unsqueeze(-1),
     "detach_eps": lambda n, g, t, eps, p: n / (g.detach() + DETACH_EPS).unsqueeze(-1),

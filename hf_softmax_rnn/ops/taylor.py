@@ -171,13 +171,23 @@ def feature_rows(xt: torch.Tensor, order: int, scratch: Scratch, name: str = "fe
         flat = features.view(-1, tokens)
         for n in range(3, order + 1):
             parent_rows, factor_rows = _recursion_rows(head_dim, n, order, batch, offsets[-1], xt.device)
-            left = torch.index_select(flat, 0, parent_rows, out=scratch(f"{name}.left{n}", (len(parent_rows), tokens), xt))
-            right = torch.index_select(scaled.view(-1, tokens), 0, factor_rows, out=scratch(f"{name}.right{n}", (len(factor_rows), tokens), xt))
-            torch.mul(left.view(batch, -1, tokens), right.view(batch, -1, tokens), out=features[:, offsets[n] : offsets[n + 1]])
+            left = torch.index_select(
+                flat, 0, parent_rows, out=scratch(f"{name}.left{n}", (len(parent_rows), tokens), xt)
+            )
+            right = torch.index_select(
+                scaled.view(-1, tokens), 0, factor_rows, out=scratch(f"{name}.right{n}", (len(factor_rows), tokens), xt)
+            )
+            torch.mul(
+                left.view(batch, -1, tokens),
+                right.view(batch, -1, tokens),
+                out=features[:, offsets[n] : offsets[n + 1]],
+            )
     return features
 
 
-def feature_rows_backward(xt: torch.Tensor, grad: torch.Tensor, order: int, scratch: Scratch, name: str = "features") -> torch.Tensor:
+def feature_rows_backward(
+    xt: torch.Tensor, grad: torch.Tensor, order: int, scratch: Scratch, name: str = "features"
+) -> torch.Tensor:
     """Vector-Jacobian product of the last `feature_rows(xt, order, scratch, name)`: grad
     `[Bt, F, T]` -> `[Bt, D, T]` (a new tensor). Reuses its gathered factors and leaves them
     as they were, so it may run more than once (retain_graph)."""

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 
 
 def banded_exp_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, scale: float, window: int, block: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    window: int,
+    block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum over the window of exp(x - m) [v, 1] and m.
 

@@ -1,14 +1,22 @@
-"""Atomic checkpoints that a killed run resumes from bit for bit.
+"""Atomic, verified checkpoints that a killed run resumes from bit for bit.
 
 A checkpoint is a folder `checkpoints/checkpoint-<global step>` holding Accelerate's state
 (model weights, optimizer, gradient scaler, each process's RNG states) plus this package's
-`trainer_state.json` (stage, step, data position, evaluations, settings) and `scheduler.pt`.
+`trainer_state.json` (stage, step, data position, data fingerprint, evaluations, settings),
+`scheduler.pt` and, written last, `manifest.json` (size and sha256 of every other file).
 It is written under a temporary name and renamed when complete, and older checkpoints are
 removed only after that rename, so the newest complete checkpoint survives a kill at any moment.
+
+`--resume` takes the newest checkpoint that verifies against its manifest (warning about each
+newer one that does not, naming the file), and refuses (`InexactResumeError`) to continue where
+the result could not be exact: RNG states missing or unreadable, or training data whose
+fingerprint differs from the checkpoint's; `--allow-inexact-resume` turns that into a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import os
@@ -17,13 +25,25 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from accelerate.utils import broadcast_object_list
+from accelerate.utils import load as accelerate_load
+from accelerate.utils.constants import RNG_STATE_NAME
+
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.pt"
+MANIFEST_FILE = "manifest.json"
+#: Training blocks of a streamed dataset that its fingerprint covers (a stream is not read whole).
+FINGERPRINT_STREAM_BLOCKS = 64
+#: What Accelerate's RNG state files hold on every machine.
+_RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TEMPORARY_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
@@ -34,15 +54,17 @@ class TrainerState:
     """Where a run stands: everything besides tensors that a resumed run needs.
 
     global_step counts optimizer steps over all stages; stage_index / stage_step locate it in
-    the run's stages; data is the block reader's position; evaluations maps a point of the run
-    ("base", "converted", "transfer", "finetune") to its held-out metrics; trainable_parameters
-    counts them per stage; config is the run's `FinetuneConfig.to_dict()`.
+    the run's stages; data is the block reader's position and data_fingerprint what it reads
+    (`data_fingerprint`); evaluations maps a point of the run ("base", "converted", "transfer",
+    "finetune") to its held-out metrics; trainable_parameters counts them per stage; config is
+    the run's `FinetuneConfig.to_dict()`.
     """
 
     global_step: int = 0
     stage_index: int = 0
     stage_step: int = 0
     data: dict = field(default_factory=dict)
+    data_fingerprint: str = ""
     evaluations: dict = field(default_factory=dict)
     trainable_parameters: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -98,6 +120,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sc
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), temporary / SCHEDULER_FILE)
         state.save(temporary / TRAINER_STATE_FILE)
+        write_manifest(temporary)
         if final.exists():
             _discard(final)
         os.replace(temporary, final)
@@ -121,3 +144,137 @@ def load_checkpoint(accelerator, path: Path, scheduler) -> TrainerState:
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
     logger.info("Resumed from %s", path)
     return TrainerState.load(path / TRAINER_STATE_FILE)
+
+
+# ---------------------------------------------------------------------------------- verification
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record size and sha256 of every file in `directory` in its manifest.json (the last file written)."""
+    files = {
+        path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    (directory / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=2))
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """What keeps checkpoint `path` from matching its manifest (a missing, truncated or changed
+    file, or no readable manifest), one line per file; [] when it verifies."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return [f"{MANIFEST_FILE} is missing or unreadable ({error.__class__.__name__})"]
+    problems = []
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != expected["size"]:
+            problems.append(f"{name} has {file.stat().st_size} bytes instead of {expected['size']}")
+        elif _sha256(file) != expected["sha256"]:
+            problems.append(f"{name} does not match its sha256 (corrupted)")
+    return problems
+
+
+def _newest_intact(output_dir: Path) -> tuple[str | None, str | None]:
+    """(newest checkpoint that verifies, error message): warns about each newer one that does not."""
+    found = checkpoint_dirs(output_dir)
+    for path in reversed(found):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return str(path), None
+        logger.warning(
+            "Checkpoint %s is damaged: %s; falling back to the previous checkpoint", path, "; ".join(problems)
+        )
+    if not found:
+        return None, None
+    return None, (
+        f"--resume: no checkpoint in {output_dir / CHECKPOINTS_DIR} is complete and intact (every one fails its "
+        f"{MANIFEST_FILE}; see the warnings above); start a new run with --overwrite or another --output-dir"
+    )
+
+
+def checkpoint_to_resume(accelerator, output_dir: str | Path) -> Path | None:
+    """The newest checkpoint of `output_dir` that verifies against its manifest, None if there is
+    none at all; raises `UserInputError` when checkpoints exist but none verifies. Verified by the
+    main process, the same answer on every process."""
+    answer = [_newest_intact(Path(output_dir)) if accelerator.is_main_process else None]
+    path, error = broadcast_object_list(answer)[0]
+    if error is not None:
+        raise UserInputError(error)
+    return None if path is None else Path(path)
+
+
+# ---------------------------------------------------------------------------------- exact resume
+class InexactResumeError(UserInputError):
+    """`--resume` could not continue exactly where the checkpoint stopped (see `check_exact_resume`)."""
+
+
+def _rng_state_problem(path: Path, process_index: int) -> str | None:
+    file = path / f"{RNG_STATE_NAME}_{process_index}.pkl"
+    if not file.is_file():
+        return f"{file.name} is missing"
+    try:
+        states = accelerate_load(file)
+    except Exception as error:  # unpickling fails in many ways; each means the same here
+        return f"{file.name} is unreadable ({error.__class__.__name__})"
+    if not isinstance(states, dict) or any(key not in states for key in _RNG_KEYS):
+        return f"{file.name} lacks the random states"
+    return None
+
+
+def _inexact_reasons(path: Path, num_processes: int, saved_fingerprint: str, fingerprint: str) -> list[str]:
+    reasons = [problem for index in range(num_processes) if (problem := _rng_state_problem(path, index))]
+    if saved_fingerprint != fingerprint:
+        reasons.append(
+            f"the training data changed since the checkpoint (fingerprint {saved_fingerprint[:12] or 'none'} "
+            f"then, {fingerprint[:12]} now)"
+        )
+    return reasons
+
+
+def check_exact_resume(accelerator, path: Path, state: TrainerState, fingerprint: str, *, allow_inexact: bool) -> None:
+    """Refuse (`InexactResumeError`) to resume from checkpoint `path` when the result could not be the
+    one of an uninterrupted run: a process's RNG states missing or unreadable, or training data
+    whose `fingerprint` differs from `state.data_fingerprint`; with `allow_inexact`, warn instead."""
+    reasons = [
+        _inexact_reasons(path, accelerator.num_processes, state.data_fingerprint, fingerprint)
+        if accelerator.is_main_process
+        else None
+    ]
+    reasons = broadcast_object_list(reasons)[0]
+    if not reasons:
+        return
+    if not allow_inexact:
+        raise InexactResumeError(
+            f"--resume cannot continue {path.name} exactly: {'; '.join(reasons)}; restore what changed, or pass "
+            "--allow-inexact-resume to continue anyway"
+        )
+    logger.warning(
+        "Resuming from %s is not exact (%s): the result will differ from an uninterrupted run",
+        path,
+        "; ".join(reasons),
+    )
+
+
+def data_fingerprint(train_data: ShuffledBlocks | StreamedBlocks, held_out: torch.Tensor) -> str:
+    """sha256 of the token ids a run trains and evaluates on: every training block (the first
+    `FINGERPRINT_STREAM_BLOCKS` of a stream) with their count, and the held-out blocks."""
+    digest = hashlib.sha256()
+    if isinstance(train_data, ShuffledBlocks):
+        digest.update(f"{len(train_data)} blocks\n".encode())
+        for batch in train_data.blocks.with_format("numpy", columns=["input_ids"]).iter(batch_size=4096):
+            digest.update(np.ascontiguousarray(batch["input_ids"]).tobytes())
+    else:
+        rows = itertools.islice(iter(train_data.blocks), FINGERPRINT_STREAM_BLOCKS)
+        digest.update(f"stream\n{[row['input_ids'] for row in rows]}\n".encode())
+    digest.update(held_out.cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -9,47 +9,100 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
+from hf_softmax_rnn.errors import UserInputError
 
 #: The paper's headline replacement of the softmax denominator.
 DEFAULT_ATTENTION = "gated_softmax_no_gate_L2norm_nodivS_noclamp"
 FINETUNE_METHODS = ("lora", "full")
+#: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
+FINETUNE_LOSSES = ("lm", "distill")
 LR_SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 #: Fields that may change between a run and its `--resume` without changing the trained weights.
 RESUMABLE_CHANGES = frozenset(
-    {"resume", "output_dir", "eval_every", "save_every", "save_total_limit", "progress", "push_to_hub", "hub_private"}
+    {
+        "resume",
+        "allow_inexact_resume",
+        "overwrite",
+        "output_dir",
+        "eval_every",
+        "save_every",
+        "save_total_limit",
+        "progress",
+        "push_to_hub",
+        "hub_private",
+    }
 )
 
 
 def parse_attention(value: str | dict | AttentionSpec) -> AttentionSpec:
     """An `AttentionSpec` from a preset name, a JSON object of spec fields, or a path to a JSON file."""
-    if isinstance(value, str) and value.lstrip().startswith("{"):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--attention {value!r} is not valid JSON: {error}") from error
+    source = None  # where the spec's fields come from, when not a preset name
+    if isinstance(value, str) and value.lstrip().startswith(("{", "[")):
+        source = f"--attention {value!r}"
+        value = _json(value, source)
     elif isinstance(value, str) and value.endswith(".json"):
-        path = Path(value)
-        if not path.is_file():
+        if not Path(value).is_file():
             raise FileNotFoundError(f"--attention file {value!r} does not exist")
-        value = json.loads(path.read_text())
-    return AttentionSpec.coerce(value)
+        source = f"--attention file {value!r}"
+        value = _json(Path(value).read_text(), source)
+    if not isinstance(value, (str, dict, AttentionSpec)):
+        raise UserInputError(
+            f"{source} is not allowed; expected a preset name, a JSON object or a .json file holding one"
+        )
+    try:
+        return AttentionSpec.coerce(value)
+    except (TypeError, ValueError) as error:
+        raise UserInputError(f"{source}: {error}" if source else str(error)) from error
+
+
+def _json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserInputError(f"{source} is not valid JSON: {error}") from error
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; expected one of {list(allowed)}")
+        raise UserInputError(f"{name}={value!r} is not allowed; expected one of {list(allowed)}")
 
 
 def _check_at_least(name: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} is not allowed; expected a number >= {minimum}")
+    if not value >= minimum:
+        raise UserInputError(f"{name}={value!r} is not allowed; expected a number >= {minimum}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise UserInputError(f"{name}={value!r} is not allowed; expected a number > 0")
+
+
+#: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
+DEFAULT_SCHEDULE = dict(transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm")
+#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in the README):
+#: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
+#: layer error but not their perplexity); a pure learned map is transferred first.
+RECIPE_SCHEDULES = {
+    "window": dict(transfer_steps=0, transfer_lr=1e-2, finetune_steps=300, lr=1e-3, finetune_loss="distill"),
+    "learned_map": dict(transfer_steps=100, transfer_lr=1e-2, finetune_steps=300, lr=1e-3, finetune_loss="distill"),
+}
+
+
+def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
+    """Stage settings for `spec` where the user gave none (see `RECIPE_SCHEDULES`)."""
+    if spec.window is not None:
+        return RECIPE_SCHEDULES["window"]
+    if spec.feature_map == "hedgehog":
+        return RECIPE_SCHEDULES["learned_map"]
+    return DEFAULT_SCHEDULE
 
 
 @dataclass
@@ -60,6 +113,7 @@ class FinetuneConfig:
     model: str = "default"
     attention: str | dict = DEFAULT_ATTENTION
     layers: list[int] | None = None
+    attention_mode: str = "chunked"
 
     dataset: str = "pydoc"
     dataset_config: str | None = None
@@ -73,14 +127,16 @@ class FinetuneConfig:
     max_eval_blocks: int | None = None
     shuffle_buffer: int = 10_000
 
-    transfer_steps: int = 100
-    transfer_lr: float = 1e-3
+    transfer_steps: int | None = None
+    transfer_lr: float | None = None
     transfer_lm_weight: float = 0.0
     transfer_modules: list[str] | None = None
+    transfer_teacher_forcing: bool = True
 
-    finetune_steps: int = 200
+    finetune_steps: int | None = None
     finetune_method: str = "lora"
-    lr: float = 2e-4
+    finetune_loss: str | None = None
+    lr: float | None = None
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -96,6 +152,8 @@ class FinetuneConfig:
     save_total_limit: int = 2
     seed: int = 0
     resume: bool = False
+    allow_inexact_resume: bool = False
+    overwrite: bool = False
     mixed_precision: str = "no"
     cpu: bool = False
     progress: bool = True
@@ -104,7 +162,12 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)
+        for name, value in recipe_defaults(self.attention_spec).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
+        _check_choice("finetune_loss", self.finetune_loss, FINETUNE_LOSSES)
+        _check_choice("attention_mode", self.attention_mode, NO_CACHE_MODES)
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         for name in (
@@ -120,17 +183,37 @@ class FinetuneConfig:
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
         if self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size} is not allowed; expected an int >= 2")
+            raise UserInputError(f"block_size={self.block_size} is not allowed; expected an int >= 2")
         if self.max_eval_blocks is not None:
             _check_at_least("max_eval_blocks", self.max_eval_blocks)
         if not 0 < self.test_fraction < 1:
-            raise ValueError(f"test_fraction={self.test_fraction} is not allowed; expected a number in (0, 1)")
-        if self.transfer_lm_weight < 0:
-            raise ValueError(f"transfer_lm_weight={self.transfer_lm_weight} is not allowed; expected a number >= 0")
+            raise UserInputError(f"test_fraction={self.test_fraction} is not allowed; expected a number in (0, 1)")
+        _check_at_least("transfer_lm_weight", self.transfer_lm_weight, minimum=0)
         if self.transfer_steps + self.finetune_steps == 0:
-            raise ValueError("transfer_steps and finetune_steps are both 0: nothing to train; set at least one > 0")
+            raise UserInputError("transfer_steps and finetune_steps are both 0: nothing to train; set at least one > 0")
         if self.layers is not None and any(index < 0 for index in self.layers):
-            raise ValueError(f"layers={self.layers} is not allowed; expected layer indices >= 0")
+            raise UserInputError(f"layers={self.layers} is not allowed; expected layer indices >= 0")
+        if self.resume and self.overwrite:
+            raise UserInputError("--resume and --overwrite contradict each other (continue or start over); pass one")
+        self._check_optimisation()
+
+    def _check_optimisation(self) -> None:
+        for name in ("lr", "transfer_lr", "lora_alpha"):
+            _check_positive(name, getattr(self, name))
+        _check_at_least("weight_decay", self.weight_decay, minimum=0)
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise UserInputError(
+                f"max_grad_norm={self.max_grad_norm!r} is not allowed; expected a number >= 0 (0: no clipping)"
+            )
+        if not 0 <= self.lora_dropout < 1:
+            raise UserInputError(f"lora_dropout={self.lora_dropout!r} is not allowed; expected a number in [0, 1)")
+
+    def check_device(self, device_type: str) -> None:
+        """Refuse settings the training device cannot honour (Accelerate ignores fp16 on CPU without a word)."""
+        if self.mixed_precision == "fp16" and device_type == "cpu":
+            raise UserInputError(
+                f"mixed_precision='fp16' is not allowed on {device_type}; expected 'bf16' or 'no' (fp16 needs a GPU)"
+            )
 
     @property
     def stage_names(self) -> list[str]:

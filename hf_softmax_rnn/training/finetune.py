@@ -19,7 +19,15 @@ import argparse
 import dataclasses
 import json
 
-from hf_softmax_rnn.training.config import FINETUNE_METHODS, LR_SCHEDULERS, MIXED_PRECISION, FinetuneConfig
+from hf_softmax_rnn.attention_spec import NO_CACHE_MODES
+from hf_softmax_rnn.training.config import (
+    DEFAULT_SCHEDULE,
+    FINETUNE_LOSSES,
+    FINETUNE_METHODS,
+    LR_SCHEDULERS,
+    MIXED_PRECISION,
+    FinetuneConfig,
+)
 
 #: (group title, [(flag, argparse keywords)]); every flag's destination is the FinetuneConfig field of the same name.
 ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
@@ -35,6 +43,14 @@ ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
                 ),
             ),
             ("--layers", dict(type=int, nargs="+", help="convert only these layer indices; the others keep softmax")),
+            (
+                "--attention-mode",
+                dict(
+                    choices=NO_CACHE_MODES,
+                    help="how finite-state layers compute a whole sequence while training and scoring (same result; "
+                    "chunked needs O(L) memory and is several times faster than the L x L parallel form)",
+                ),
+            ),
         ],
     ),
     (
@@ -43,7 +59,8 @@ ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
             (
                 "--dataset",
                 dict(
-                    help="'pydoc' (offline corpus), local .txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset"
+                    help="'pydoc' (offline corpus), local .txt/.json/.jsonl/.parquet/.csv files or folder, "
+                    "or a Hub dataset"
                 ),
             ),
             ("--dataset-config", dict(help="configuration name of a Hub dataset")),
@@ -72,6 +89,15 @@ ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
                     "q/k projections if the spec has no learned parameters)",
                 ),
             ),
+            (
+                "--no-transfer-teacher-forcing",
+                dict(
+                    dest="transfer_teacher_forcing",
+                    action="store_false",
+                    help="let each converted layer pass its own output on while transferring (default: the exact "
+                    "softmax output goes on, so every layer sees the original model's hidden states)",
+                ),
+            ),
         ],
     ),
     (
@@ -79,6 +105,13 @@ ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
         [
             ("--finetune-steps", dict(type=int, help="optimizer steps (0 skips the stage)")),
             ("--finetune-method", dict(choices=FINETUNE_METHODS, help="LoRA adapters or all parameters")),
+            (
+                "--finetune-loss",
+                dict(
+                    choices=FINETUNE_LOSSES,
+                    help="next-token cross-entropy, or KL divergence to the unconverted model's logits (distillation)",
+                ),
+            ),
             ("--lr", dict(type=float, help="peak learning rate")),
             ("--lora-rank", dict(type=int, help="LoRA rank r")),
             ("--lora-alpha", dict(type=float, help="LoRA alpha (scale alpha / r)")),
@@ -105,6 +138,22 @@ ARGUMENTS: list[tuple[str, list[tuple[str, dict]]]] = [
             ("--save-every", dict(type=int, help="checkpoint every N steps of a stage (and at its end)")),
             ("--save-total-limit", dict(type=int, help="checkpoints kept")),
             ("--resume", dict(action="store_true", help="continue from the latest checkpoint in --output-dir")),
+            (
+                "--allow-inexact-resume",
+                dict(
+                    action="store_true",
+                    help="resume even where the result cannot be exact (RNG states missing, training data changed), "
+                    "with a warning",
+                ),
+            ),
+            (
+                "--overwrite",
+                dict(
+                    action="store_true",
+                    help="write into an --output-dir that holds other files, a finished run or the --model, replacing "
+                    "a previous run's checkpoints and outputs",
+                ),
+            ),
             ("--no-progress", dict(dest="progress", action="store_false", help="no progress bars")),
             ("--push-to-hub", dict(metavar="REPO", help="upload the outputs to this Hub repo")),
             ("--hub-private", dict(action="store_true", help="create the Hub repo as private")),
@@ -123,10 +172,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for flag, options in arguments:
             destination = options.get("dest", flag.removeprefix("--").replace("-", "_"))
             if options.get("action") not in ("store_true", "store_false"):
+                chosen = "the attention's recipe" if destination in DEFAULT_SCHEDULE else "%(default)s"
                 options = {
                     **options,
                     "default": defaults[destination],
-                    "help": options["help"] + " (default: %(default)s)",
+                    "help": options["help"] + f" (default: {chosen})",
                 }
             group.add_argument(flag, **options)
 

@@ -9,6 +9,8 @@ import math
 import os
 from pathlib import Path
 
+from hf_softmax_rnn.errors import UserInputError
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -63,8 +65,19 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a `metrics.jsonl` file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a `metrics.jsonl` file. A half-written last line (a run killed while writing
+    it) is dropped with a warning; a damaged line before it raises `UserInputError`."""
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for number, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number != lines[-1][0]:
+                message = f"{path}:{number} is not a JSON record ({error}); repair or remove that line"
+                raise UserInputError(message) from error
+            logger.warning("Dropping the half-written last line %d of %s: %r", number, path, line[:80])
+    return records
 
 
 def plot_loss_curves(

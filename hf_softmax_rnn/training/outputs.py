@@ -4,16 +4,22 @@
     config.json, model.safetensors, tokenizer files, modelling code   the trained model (LoRA merged)
     README.md                                                         model card
     adapter/, adapter_base/     LoRA stage only: the adapter and the model it applies to
-    metrics.jsonl, runs/        metrics as JSON lines and TensorBoard events
+    metrics.jsonl, runs/        metrics as JSON lines and TensorBoard events (runs/ is not uploaded)
     loss_curves.png, results.json
+    transfer_layer_mse.json/.png  transfer stage only: held-out error of each layer before and after it
     checkpoints/                resumable training state (not uploaded)
+
+`--push-to-hub` uploads an allow-list of these (`uploaded_files`), never anything else found in
+the folder. The card and results.json name local paths relative to the output folder.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,11 +27,12 @@ from huggingface_hub import HfApi
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from hf_softmax_rnn.cli import CommandError
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
+from hf_softmax_rnn.errors import CommandError
+from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
-from hf_softmax_rnn.training.checkpointing import CHECKPOINTS_DIR
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
+from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
 
 if TYPE_CHECKING:
     from hf_softmax_rnn.training.stages import Stage
@@ -36,6 +43,29 @@ logger = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"
 ADAPTER_BASE_DIR = "adapter_base"
 RESULTS_FILE = "results.json"
+#: tokenizer_config.json entries that are not part of the tokenizer (see `save_tokenizer`).
+_LOADING_KEYS = ("auto_map", "is_local", "local_files_only")
+#: What `--push-to-hub` uploads: files of a saved model (top level and adapter_base/, plus the flat
+#: modelling code), the adapter, the card and the run's records; never checkpoints/, runs/
+#: (TensorBoard files named after host and process), dot files or anything else in the folder.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+RUN_FILES = ("README.md", METRICS_FILE, RESULTS_FILE, LAYER_MSE_FILE, "*.png")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 OFFLINE_CORPUS_TEXT = "Python's own documentation (`pydoc_data.topics`, the package's offline corpus)"
 
 
@@ -44,10 +74,23 @@ class PushToHubError(CommandError):
 
 
 def save_model(model: PreTrainedModel, tokenizer, path: Path) -> None:
-    """Save weights, config, tokenizer and the modelling code for `trust_remote_code` loading."""
-    type(model).register_for_auto_class("AutoModelForCausalLM")
+    """Save weights, config, tokenizer and the modelling code for `trust_remote_code` loading
+    (without registering the class, which would change every later save in this process)."""
     model.save_pretrained(path)
+    export_remote_code(path, type(model), type(model.config), "AutoModelForCausalLM")
+    save_tokenizer(tokenizer, path)
+
+
+def save_tokenizer(tokenizer, path: Path) -> None:
+    """`tokenizer.save_pretrained`, minus the entries of tokenizer_config.json that describe how this
+    process loaded it (`local_files_only` under HF_HUB_OFFLINE) or point at custom code: the tokenizer
+    is a plain one and must load as such anywhere."""
     tokenizer.save_pretrained(path)
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if any(key in config for key in _LOADING_KEYS):
+        kept = {key: value for key, value in config.items() if key not in _LOADING_KEYS}
+        config_file.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _stage_summary(run: Finetuner, stage: Stage) -> dict:
@@ -61,26 +104,53 @@ def _stage_summary(run: Finetuner, stage: Stage) -> dict:
     }
 
 
+def _is_local_path(name: str) -> bool:
+    return Path(name).expanduser().is_absolute() or name.startswith(".") or Path(name).exists()
+
+
+def portable_path(name: str, output_dir: Path) -> str:
+    """A model, dataset or spec file argument as the output folder may record it: a local path
+    relative to the output folder, anything else ("default", "pydoc", a Hub id) unchanged."""
+    if name in (DEFAULT_MODEL_ALIAS, "pydoc") or not _is_local_path(name):
+        return name
+    return os.path.relpath(Path(name).expanduser().resolve(), output_dir.resolve())
+
+
+def portable_config(run: Finetuner) -> dict:
+    """The run's settings with local paths relative to the output folder (itself ".")."""
+    config = run.config.to_dict()
+    config["output_dir"] = "."
+    for name in ("model", "dataset", "attention"):
+        if isinstance(config[name], str):
+            config[name] = portable_path(config[name], run.output_dir)
+    return config
+
+
 def _model_card(run: Finetuner, model: PreTrainedModel, stages: list[dict], has_adapter: bool):
     config = run.config
-    base_on_hub = config.model == DEFAULT_MODEL_ALIAS or not Path(config.model).exists()
-    dataset_on_hub = config.dataset != "pydoc" and not Path(config.dataset).exists()
-    dataset_text = OFFLINE_CORPUS_TEXT if config.dataset == "pydoc" else f"`{config.dataset}`"
+    base_on_hub = config.model == DEFAULT_MODEL_ALIAS or not _is_local_path(config.model)
+    dataset_on_hub = config.dataset != "pydoc" and not _is_local_path(config.dataset)
+    dataset = portable_path(config.dataset, run.output_dir)
+    dataset_text = OFFLINE_CORPUS_TEXT if config.dataset == "pydoc" else f"`{dataset}`"
+    base_model = portable_path(config.model, run.output_dir)
+    if config.model == DEFAULT_MODEL_ALIAS:
+        base_model = DEFAULT_MODEL_HUB_ID
     evaluations = {point: values for point, values in run.state.evaluations.items()}
     tokens = next(iter(evaluations.values()), {}).get("eval_tokens", 0)
     return softmax_rnn_model_card(
         layer_specs=[model.config.attention_spec(i) for i in range(model.config.num_hidden_layers)],
         head_dim=model.config.attention_head_dim,
-        base_model=DEFAULT_MODEL_HUB_ID if config.model == DEFAULT_MODEL_ALIAS else config.model,
+        base_model=base_model,
         base_model_on_hub=base_on_hub,
-        repo_id=config.push_to_hub or str(run.output_dir.resolve()),
+        repo_id=config.push_to_hub or f"./{run.output_dir.resolve().name}",
         evaluations=evaluations,
         evaluation_text=(
             f"Perplexity is exp of the mean next-token negative log-likelihood over the test split of the data, "
-            f"packed into {config.block_size}-token blocks that are each scored on their own ({tokens:,} predicted tokens)."
+            f"packed into {config.block_size}-token blocks that are each scored on their own ({tokens:,} "
+            "predicted tokens)."
         ),
         stages=stages,
-        dataset=config.dataset,
+        dataset=dataset,
         dataset_on_hub=dataset_on_hub,
         dataset_text=dataset_text,
         block_size=config.block_size,
@@ -114,7 +184,7 @@ def save_outputs(run: Finetuner, model, stages: list[Stage], *, seconds: float) 
             "global_step": run.state.global_step,
             "num_processes": run.accelerator.num_processes,
             "seconds_this_process": round(seconds, 1),
-            "config": run.config.to_dict(),
+            "config": portable_config(run),
         }
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         plot_loss_curves(read_metrics(output_dir / METRICS_FILE), output_dir / PLOT_FILE, title=_plot_title(run.config))
@@ -124,20 +194,46 @@ def save_outputs(run: Finetuner, model, stages: list[Stage], *, seconds: float) 
     return model
 
 
+def _matching(directory: Path, patterns: tuple[str, ...]) -> list[str]:
+    """Names of the regular files directly in `directory` that match one of `patterns`."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        path.name
+        for path in directory.iterdir()
+        if path.is_file() and not path.is_symlink() and any(fnmatch.fnmatchcase(path.name, p) for p in patterns)
+    )
+
+
+def _model_files(directory: Path) -> list[str]:
+    code = [name for name in _matching(directory, ("*.py",)) if is_exported_code(directory / name)]
+    return _matching(directory, MODEL_FILES) + code
+
+
+def uploaded_files(output_dir: Path) -> list[str]:
+    """The files of an output folder that `--push-to-hub` uploads, relative to it (see `MODEL_FILES`)."""
+    files = _model_files(output_dir) + _matching(output_dir, RUN_FILES)
+    files += [f"{ADAPTER_DIR}/{name}" for name in _matching(output_dir / ADAPTER_DIR, ADAPTER_FILES)]
+    files += [f"{ADAPTER_BASE_DIR}/{name}" for name in _model_files(output_dir / ADAPTER_BASE_DIR)]
+    return sorted(set(files))
+
+
 def publish(run: Finetuner) -> None:
-    """Upload the output folder (without checkpoints) to `--push-to-hub` (main process).
+    """Upload the allow-listed files of the output folder to `--push-to-hub` (main process).
 
     Raises PushToHubError naming the cause (offline, no token, network, permissions)."""
     repo = run.config.push_to_hub
     if not repo or not run.accelerator.is_main_process:
         return
+    files = uploaded_files(run.output_dir)
     try:
         api = HfApi()
         api.create_repo(repo, private=run.config.hub_private, exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=run.output_dir, ignore_patterns=[f"{CHECKPOINTS_DIR}/**"])
+        api.upload_folder(repo_id=repo, folder_path=run.output_dir, allow_patterns=files)
     except Exception as error:  # any failure of the upload: the outputs are saved already
         raise PushToHubError(
             f"Could not push {run.output_dir} to the Hub repo {repo!r}: {error}. Everything is saved in "
-            f"{run.output_dir}; upload it later with `hf upload {repo} {run.output_dir}`"
+            f"{run.output_dir}; to push it later, run the same command again with --resume (the training is "
+            "complete: it only writes and uploads the outputs)"
         ) from error
-    logger.info("Pushed %s to https://huggingface.co/%s", run.output_dir, repo)
+    logger.info("Pushed %d files of %s to https://huggingface.co/%s", len(files), run.output_dir, repo)

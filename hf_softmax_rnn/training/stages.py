@@ -3,10 +3,13 @@
 1. "transfer" (attention transfer): every converted attention layer also computes exact
    softmax attention on the same q, k, v, and the loss is the mean over layers of the MSE
    between the two outputs (optionally plus `transfer_lm_weight` x the LM cross-entropy).
+   By default the teacher's output is what each layer passes on (teacher forcing), so every
+   layer sees the original model's hidden states and trains only on its own error.
    Only the chosen submodules of the converted layers train (by default their `rnn_params`;
    a spec without learned parameters trains the query/key projections instead).
-2. "finetune" (language modelling): LoRA adapters from PEFT on the attention projections,
-   with `rnn_params` as fully trained `modules_to_save`, or full fine-tuning.
+2. "finetune": LoRA adapters from PEFT on the attention projections, with `rnn_params` as
+   fully trained `modules_to_save`, or full fine-tuning; on the LM loss, or distilled from the
+   unconverted model (KL divergence of the next-token distributions, every position).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -95,11 +99,13 @@ def transfer_modules(model: nn.Module, names: list[str] | None) -> list[str]:
     for name in names:
         if not hasattr(converted[0], name) or not isinstance(getattr(converted[0], name), nn.Module):
             raise ValueError(
-                f"--transfer-modules {name!r} is not a submodule of the converted attention layers; they have {available}"
+                f"--transfer-modules {name!r} is not a submodule of the converted attention layers; they have "
+                f"{available}"
             )
     if not any(p.numel() for module in converted for name in names for p in getattr(module, name).parameters()):
         raise ValueError(
-            f"--transfer-modules {names} hold no parameters in the converted layers ({converted[0].attention_spec.describe()}); "
+            f"--transfer-modules {names} hold no parameters in the converted layers "
+            f"({converted[0].attention_spec.describe()}); "
             f"choose from {available}"
         )
     return names
@@ -133,11 +139,28 @@ def _lm_loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) ->
     return {"loss": model(input_ids=input_ids, labels=input_ids, use_cache=False).loss}
 
 
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) of the next-token distributions `[B, L, V]`."""
+    student, teacher = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+    return F.kl_div(student.flatten(0, -2), teacher.flatten(0, -2), log_target=True, reduction="batchmean")
+
+
+def _distill_loss(teacher: nn.Module) -> Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]:
+    def loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+        output = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        kl = distillation_loss(output.logits, teacher_logits)
+        return {"loss": kl, "distill_kl": kl, "lm_loss": output.loss.detach()}
+
+    return loss
+
+
 def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
     def setup(model: nn.Module) -> nn.Module:
         converted = [m for m in softmax_rnn_attention_modules(model) if m.is_converted]
         _freeze_all_but(model, [getattr(m, name) for m in converted for name in modules])
-        set_attention_transfer(model, True, trained=modules)
+        set_attention_transfer(model, True, trained=modules, teacher_forcing=config.transfer_teacher_forcing)
         return model
 
     def loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -148,7 +171,8 @@ def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
             return {"loss": mse, "transfer_mse": mse}
         return {"loss": mse + weight * output.loss, "transfer_mse": mse, "lm_loss": output.loss}
 
-    objective = "attention-transfer MSE" + (
+    forcing = ", teacher-forced" if config.transfer_teacher_forcing else ""
+    objective = f"attention-transfer MSE{forcing}" + (
         f" + {config.transfer_lm_weight:g} x LM loss" if config.transfer_lm_weight else ""
     )
     trains = f"{', '.join(modules)} of the converted layers ({objective})"
@@ -164,7 +188,13 @@ def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
     )
 
 
-def finetune_stage(config: FinetuneConfig, targets: list[str], *, with_rnn_params: bool) -> Stage:
+def finetune_stage(
+    config: FinetuneConfig, targets: list[str], *, with_rnn_params: bool, teacher: nn.Module | None = None
+) -> Stage:
+    """The stage-2 `Stage`; `teacher` (the unconverted model, frozen) is needed for `finetune_loss="distill"`."""
+    if config.finetune_loss == "distill" and teacher is None:
+        raise ValueError("finetune_loss='distill' needs the unconverted model as `teacher`")
+
     def setup_lora(model: nn.Module) -> PeftModel:
         model.requires_grad_(False)
         lora = LoraConfig(
@@ -185,14 +215,49 @@ def finetune_stage(config: FinetuneConfig, targets: list[str], *, with_rnn_param
     lora = f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}" + (
         ", rnn_params in full" if with_rnn_params else ""
     )
-    trains = {"lora": lora, "full": "all parameters"}[config.finetune_method] + " (LM loss)"
-    return Stage("finetune", config.finetune_steps, config.lr, trains, setups[config.finetune_method], _lm_loss)
+    losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
+    words, loss = losses[config.finetune_loss]
+    trains = f"{ {'lora': lora, 'full': 'all parameters'}[config.finetune_method] } ({words})"
+    return Stage(
+        "finetune",
+        config.finetune_steps,
+        config.lr,
+        trains,
+        setups[config.finetune_method],
+        loss or _distill_loss(teacher),
+    )
 
 
-def build_stages(config: FinetuneConfig, model: nn.Module, *, lora_target_names: list[str] | None) -> list[Stage]:
+def build_stages(
+    config: FinetuneConfig, model: nn.Module, *, lora_target_names: list[str] | None, teacher: nn.Module | None = None
+) -> list[Stage]:
     """The stages of this run in order (a stage with 0 steps is left out)."""
     builders = {
         "transfer": lambda: transfer_stage(config, transfer_modules(model, config.transfer_modules)),
-        "finetune": lambda: finetune_stage(config, lora_target_names or [], with_rnn_params=has_rnn_params(model)),
+        "finetune": lambda: finetune_stage(
+            config, lora_target_names or [], with_rnn_params=has_rnn_params(model), teacher=teacher
+        ),
     }
     return [builders[name]() for name in config.stage_names]
+
+
+@torch.no_grad()
+def heldout_layer_mse(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> list[float]:
+    """Attention-transfer MSE of each converted layer on `blocks` `[N, L]`, teacher-forced (each
+    layer sees the original hidden states), averaged over the blocks. The teacher is whatever the
+    layers hold now (a frozen copy of the projections while a transfer stage trains them)."""
+    converted = [module for module in softmax_rnn_attention_modules(model) if module.is_converted]
+    saved = [(module.attention_transfer, module.teacher_forcing) for module in converted]
+    was_training = model.training
+    model.eval()
+    for module in converted:
+        module.attention_transfer, module.teacher_forcing = True, True
+    totals = torch.zeros(len(converted), dtype=torch.float64)
+    for start in range(0, len(blocks), batch_size):
+        ids = blocks[start : start + batch_size].to(next(model.parameters()).device)
+        model(input_ids=ids, use_cache=False)
+        totals += torch.stack([module.transfer_loss for module in converted]).double().cpu() * len(ids)
+    for module, (transfer, forcing) in zip(converted, saved):
+        module.attention_transfer, module.teacher_forcing, module.transfer_loss = transfer, forcing, None
+    model.train(was_training)
+    return (totals / len(blocks)).tolist()

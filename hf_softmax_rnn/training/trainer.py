@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,20 +29,25 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import resolve_model
+from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
+from hf_softmax_rnn.layers import student_outputs
 from hf_softmax_rnn.training.checkpointing import (
     TRAINER_STATE_FILE,
     TrainerState,
-    checkpoint_dirs,
+    check_exact_resume,
+    checkpoint_to_resume,
+    data_fingerprint,
     latest_checkpoint,
     load_checkpoint,
-    remove_incomplete,
     save_checkpoint,
 )
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
+from hf_softmax_rnn.training.output_dir import check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import publish, save_outputs
-from hf_softmax_rnn.training.stages import Stage, build_stages, lora_targets
+from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
+from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +55,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class FinetuneResult:
     """What a run produced: the trained model (LoRA merged), its tokenizer, the held-out
-    metrics per point of the run ("base", "converted", then each stage) and the output folder."""
+    metrics per point of the run ("base", "converted", then each stage; a stage's entry also holds
+    its `train_tokens`), the output folder, and the wall time of each stage trained by this process
+    (seconds; a resumed stage counts only its part after the resume)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     evaluations: dict[str, dict]
     output_dir: Path
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -87,6 +95,17 @@ def heldout_metrics(
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
 
 
+#: How a divergence message names a logged value.
+_VALUE_NAMES = {"grad_norm": "gradient norm", "eval_loss": "held-out loss", "lr": "learning rate"}
+
+
+def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
+    """Whether every trainable parameter of `model` is finite on every process (one reduction)."""
+    flags = [torch.isfinite(p).all() for p in model.parameters() if p.requires_grad]
+    non_finite = (~torch.stack(flags)).sum().float() if flags else torch.zeros((), device=accelerator.device)
+    return accelerator.reduce(non_finite, "sum").item() == 0
+
+
 class Finetuner:
     """One fine-tuning run. The constructor loads and checks everything; `run()` trains."""
 
@@ -94,10 +113,12 @@ class Finetuner:
         self.config = config
         self.output_dir = Path(config.output_dir)
         self.metrics: MetricsLogger | None = None
+        self.stage_seconds: dict[str, float] = {}
         self._ddp_kwargs = DistributedDataParallelKwargs()
         self.accelerator = Accelerator(
             cpu=config.cpu, mixed_precision=config.mixed_precision, kwargs_handlers=[self._ddp_kwargs]
         )
+        config.check_device(self.accelerator.device.type)
         self.resume_from = self._checkpoint_to_resume()
         self.state = (
             TrainerState.load(self.resume_from / TRAINER_STATE_FILE)
@@ -107,7 +128,9 @@ class Finetuner:
         if self.resume_from is not None:
             conflicts = config.resume_conflicts(self.state.config)
             if conflicts:
-                raise ValueError(f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}")
+                raise UserInputError(
+                    f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}"
+                )
 
         texts = load_corpus(
             config.dataset,
@@ -119,14 +142,18 @@ class Finetuner:
         )
         self.base_model, self.tokenizer = resolve_model(config.model)
         self._check_block_size(self.base_model)
-        self.lora_targets = (
-            lora_targets(self.base_model, config.lora_targets)
-            if config.finetune_steps and config.finetune_method == "lora"
-            else None
-        )
-        self.converted = convert(self.base_model, config.attention_spec, layers=config.layers)
-        self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets)
-        with self.accelerator.main_process_first():
+        with user_input_checks(ValueError, TypeError):  # LoRA targets, layers, stage modules, model type
+            self.lora_targets = (
+                lora_targets(self.base_model, config.lora_targets)
+                if config.finetune_steps and config.finetune_method == "lora"
+                else None
+            )
+            self.converted = convert(
+                self.base_model, config.attention_spec, layers=config.layers, attention_mode=config.attention_mode
+            )
+            teacher = self.base_model.requires_grad_(False) if config.finetune_loss == "distill" else None
+            self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets, teacher=teacher)
+        with self.accelerator.main_process_first(), user_input_checks():  # too little data for one block
             self.train_data = train_blocks(
                 texts["train"],
                 self.tokenizer,
@@ -135,6 +162,13 @@ class Finetuner:
                 shuffle_buffer=config.shuffle_buffer,
             )
             self.eval_ids = eval_blocks(texts["test"], self.tokenizer, config.block_size, config.max_eval_blocks)
+        fingerprint = data_fingerprint(self.train_data, self.eval_ids)
+        if self.resume_from is not None:
+            check_exact_resume(
+                self.accelerator, self.resume_from, self.state, fingerprint, allow_inexact=config.allow_inexact_resume
+            )
+        self.state.data_fingerprint = fingerprint
+        self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
             "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out blocks",
@@ -148,23 +182,19 @@ class Finetuner:
 
     # ------------------------------------------------------------------ checks
     def _checkpoint_to_resume(self) -> Path | None:
-        existing = checkpoint_dirs(self.output_dir)
-        if existing and not self.config.resume:
-            raise ValueError(
-                f"Output directory {str(self.output_dir)!r} already holds checkpoints (latest {existing[-1].name}); "
-                "pass --resume to continue that run, or choose another --output-dir"
-            )
-        if self.config.resume and not existing:
+        """Check the output folder (nothing written yet); with --resume, its newest intact checkpoint."""
+        check_output_dir(self.config)
+        if not self.config.resume:
+            return None
+        path = checkpoint_to_resume(self.accelerator, self.output_dir)
+        if path is None:
             logger.warning("--resume: no checkpoint in %s, starting from the beginning", self.output_dir)
-        if self.accelerator.is_main_process:
-            remove_incomplete(self.output_dir)
-        self.accelerator.wait_for_everyone()
-        return latest_checkpoint(self.output_dir) if self.config.resume else None
+        return path
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         maximum = getattr(model.config, "max_position_embeddings", None)
         if maximum is not None and self.config.block_size > maximum:
-            raise ValueError(
+            raise UserInputError(
                 f"block_size={self.config.block_size} is larger than the model's maximum of {maximum} positions "
                 f"(max_position_embeddings of {self.config.model!r}); use --block-size <= {maximum}"
             )
@@ -176,9 +206,14 @@ class Finetuner:
 
     def evaluate(self, model: nn.Module, point: str) -> dict:
         """Held-out metrics of `model`, logged under `point` at the current global step."""
-        result = heldout_metrics(
-            model, self.eval_ids, self.accelerator, batch_size=self.config.eval_batch_size, progress=self._show_progress
-        )
+        with student_outputs(model):
+            result = heldout_metrics(
+                model,
+                self.eval_ids,
+                self.accelerator,
+                batch_size=self.config.eval_batch_size,
+                progress=self._show_progress,
+            )
         self._log(point, **result)
         logger.info("Held-out perplexity at %s (step %d): %.3f", point, self.state.global_step, result["perplexity"])
         return result
@@ -208,8 +243,11 @@ class Finetuner:
         if self.metrics is not None:
             self.metrics.close()
         model = save_outputs(self, model, self.stages, seconds=time.perf_counter() - start)
+        self.output_claim.finish()
         publish(self)
-        return FinetuneResult(model, self.tokenizer, dict(self.state.evaluations), self.output_dir)
+        return FinetuneResult(
+            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds)
+        )
 
     def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:
         config, accelerator = self.config, self.accelerator
@@ -232,12 +270,17 @@ class Finetuner:
         self._ddp_kwargs.find_unused_parameters = stage.may_leave_parameters_unused
         prepared, optimizer = accelerator.prepare(trainable, optimizer)
         if self.resume_from is not None and index == self.state.stage_index:
+            fingerprint = self.state.data_fingerprint  # of the data read now (differs with --allow-inexact-resume)
             self.state = load_checkpoint(accelerator, self.resume_from, scheduler)
+            self.state.data_fingerprint = fingerprint
             self.train_data.load_state_dict(self.state.data)
         else:
             self.state.stage_index, self.state.stage_step = index, 0
         self.state.trainable_parameters[stage.name] = count
         unwrapped = accelerator.unwrap_model(prepared)
+        if stage.name == "transfer" and self.state.stage_step == 0:
+            self._record_layer_mse(unwrapped, "before")
+        started = time.perf_counter()
         progress = tqdm(
             total=stage.steps, initial=self.state.stage_step, desc=stage.name, disable=not self._show_progress
         )
@@ -246,26 +289,52 @@ class Finetuner:
             self.state.global_step += 1
             self.state.stage_step = step
             self._log(stage.name, **values)
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(
-                    f"Stage {stage.name}: the loss is {values['loss']} at step {step}; lower the learning rate "
-                    f"({stage.learning_rate:g}) or --max-grad-norm and start a new run"
-                )
+            self._stop_if_diverged(stage, step, values, prepared)
             progress.update()
             progress.set_postfix(loss=f"{values['loss']:.4f}")
             last = step == stage.steps
             if step % config.eval_every == 0 or last:
                 result = self.evaluate(prepared, stage.name)
+                self._stop_if_diverged(stage, step, {"eval_loss": result["eval_loss"]})
                 progress.set_postfix(loss=f"{values['loss']:.4f}", ppl=f"{result['perplexity']:.2f}")
                 if last:
-                    self.state.evaluations[stage.name] = result
+                    tokens = stage.steps * self.global_batch * config.block_size
+                    self.state.evaluations[stage.name] = {**result, "train_tokens": tokens}
+                    self.stage_seconds[stage.name] = round(time.perf_counter() - started, 1)
             if step % config.save_every == 0 or last:
                 self.state.data = self.train_data.state_dict()
                 save_checkpoint(accelerator, self.output_dir, self.state, scheduler, keep=config.save_total_limit)
         progress.close()
+        if stage.name == "transfer":
+            self._record_layer_mse(unwrapped, "after")
         stage.teardown(unwrapped)
         accelerator.free_memory()
         return unwrapped
+
+    def _stop_if_diverged(
+        self, stage: Stage, step: int, values: dict[str, float], model: nn.Module | None = None
+    ) -> None:
+        """Raise `TrainingDivergedError` when one of `values` or a trainable parameter of `model` is not finite,
+        before this step is checkpointed or any output written; the checkpoints saved so far stay."""
+        name = next((name for name, value in values.items() if not math.isfinite(value)), None)
+        problem = None if name is None else f"the {_VALUE_NAMES.get(name, name)} is {values[name]}"
+        if problem is None and model is not None and not _parameters_finite(model, self.accelerator):
+            problem = "a trained parameter is not finite"
+        if problem is None:
+            return
+        latest = latest_checkpoint(self.output_dir)
+        kept = f"last good checkpoint: {latest.name}" if latest else "no checkpoint was saved"
+        raise TrainingDivergedError(
+            f"Stage {stage.name}: training diverged at step {step} ({problem}); lower the learning rate "
+            f"({stage.learning_rate:g}) or --max-grad-norm and start a new run with --overwrite ({kept}; no model "
+            "was written)"
+        )
+
+    def _record_layer_mse(self, model: nn.Module, point: str) -> None:
+        """Held-out per-layer transfer MSE (main process, its share of the blocks) into the output folder."""
+        if self.accelerator.is_main_process:
+            values = heldout_layer_mse(model, self.eval_ids, self.config.eval_batch_size)
+            record_layer_mse(self.output_dir, point, values)
 
     def _train_step(
         self, stage: Stage, model: nn.Module, unwrapped: nn.Module, optimizer, scheduler
@@ -288,9 +357,8 @@ class Finetuner:
                 accelerator.backward(parts["loss"] / config.grad_accum)
             for name, value in parts.items():
                 totals[name] = totals.get(name, 0.0) + value.detach().float() / config.grad_accum
-        values = {}
-        if config.max_grad_norm:
-            values["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        # max_norm inf (no clipping) still measures the norm, which `_stop_if_diverged` checks
+        values = {"grad_norm": float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf))}
         values["lr"] = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -1,6 +1,7 @@
 import argparse
 import csv
 import math
+import re
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ QUICK_VARIANTS = ["softmax", "l2", "exp_no_norm_no_clamp", "linear_elu", "taylor
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, capsys):
-    assert main(["ablate", "--quick", "--no-progress", "--output-dir", str(tmp_path), "--variants", *QUICK_VARIANTS]) == 0
+    assert (
+        main(["ablate", "--quick", "--no-progress", "--output-dir", str(tmp_path), "--variants", *QUICK_VARIANTS]) == 0
+    )
     table = (tmp_path / "ablation.md").read_text().splitlines()
     assert [row.split(" | ")[1] for row in table[2:]] == QUICK_VARIANTS
     with (tmp_path / "ablation.csv").open() as handle:
@@ -64,3 +67,37 @@ def test_size_flags_override_the_quick_budget():
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'softmax_typo'.*taylor_4_l2"):
         variant_spec("softmax_typo")
+
+
+BAD_ARGUMENTS = {
+    "zero-steps": (["--steps", "0"], r"--steps=0 is not allowed; expected an int >= 1"),
+    "zero-eval-blocks": (["--eval-blocks", "0"], r"--eval-blocks=0 is not allowed; expected an int >= 1"),
+    "zero-test-blocks": (["--test-blocks", "0"], r"--test-blocks=0 is not allowed; expected an int >= 1"),
+    "zero-eval-every": (["--eval-every", "0"], r"--eval-every=0 is not allowed; expected an int >= 1"),
+    "short-sequences": (["--seq-len", "1"], r"--seq-len=1 is not allowed; expected an int >= 2"),
+    "indivisible-width": (["--d-model", "30", "--num-heads", "4"], r"--d-model=30 is not divisible by --num-heads=4"),
+    "negative-weight-decay": (["--weight-decay", "-1"], r"--weight-decay=-1\.0 is not allowed; expected a number >= 0"),
+    "zero-threads": (["--threads", "0"], r"--threads=0 is not allowed; expected an int >= 1"),
+    "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
+}
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_cli_rejects_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    assert main(["ablate", "--quick", *argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert re.match(r"hf-softmax-rnn ablate: error: " + message, error), error
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_names_an_unreadable_dataset(tmp_path, capsys):
+    (tmp_path / "data.txt").write_bytes(b"")
+    argv = ["ablate", "--quick", "--dataset", str(tmp_path / "data.txt"), "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert re.search(r"hf-softmax-rnn ablate: error: Dataset file '.*data\.txt' is empty", capsys.readouterr().err)
+
+
+def test_every_flag_has_help():
+    parser = argparse.ArgumentParser()
+    ablate.add_arguments(parser)
+    assert [action.dest for action in parser._actions if not action.help] == []

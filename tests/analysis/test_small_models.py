@@ -6,11 +6,14 @@ import torch
 from hf_softmax_rnn.analysis.small_models import (
     batches,
     optimizer_and_schedule,
+    resolve_device,
     scored_loss,
     selected_logits,
+    set_threads,
     small_llama,
     train_steps,
 )
+from hf_softmax_rnn.errors import UserInputError
 
 
 @pytest.fixture
@@ -42,7 +45,9 @@ def test_training_stops_at_the_first_non_finite_loss(model):
         loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
         return loss * (math.inf if len(calls) == 3 else 1.0)
 
-    losses = train_steps(model, loss_fn, data, steps=10, lr=1e-3, weight_decay=0.0, warmup_steps=1, device=torch.device("cpu"))
+    losses = train_steps(
+        model, loss_fn, data, steps=10, lr=1e-3, weight_decay=0.0, warmup_steps=1, device=torch.device("cpu")
+    )
     assert len(losses) == 3 and math.isinf(losses[-1]) and all(math.isfinite(x) for x in losses[:2])
 
 
@@ -50,8 +55,13 @@ def test_training_lowers_the_loss(model):
     ids = torch.randint(40, (4, 10))
     before = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
     train_steps(
-        model, lambda b: model(input_ids=b["input_ids"], labels=b["input_ids"], use_cache=False).loss,
-        batches({"input_ids": ids}, 4, seed=0), steps=30, lr=1e-2, weight_decay=0.0, warmup_steps=1,
+        model,
+        lambda b: model(input_ids=b["input_ids"], labels=b["input_ids"], use_cache=False).loss,
+        batches({"input_ids": ids}, 4, seed=0),
+        steps=30,
+        lr=1e-2,
+        weight_decay=0.0,
+        warmup_steps=1,
         device=torch.device("cpu"),
     )
     assert model(input_ids=ids, labels=ids, use_cache=False).loss.item() < before - 0.5
@@ -77,8 +87,25 @@ def test_weight_decay_only_on_linear_and_embedding_weights():
     decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
     names = {name for name, p in model.named_parameters() if id(p) in decayed}
     assert names == {
-        name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
         for name in [f"{name}.weight"]
     }
     assert not any("norm" in name or name.endswith("bias") for name in names)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+def test_resolve_device_refuses_unknown_and_missing_devices(monkeypatch):
+    with pytest.raises(UserInputError, match=r"--device='tpu9' is not allowed; expected 'auto', 'cpu'"):
+        resolve_device("tpu9")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserInputError, match=r"--device='cuda' is not available on this machine"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "mps")
+
+
+def test_set_threads_refuses_zero():
+    with pytest.raises(UserInputError, match=r"--threads=0 is not allowed; expected an int >= 1"):
+        set_threads(0)

@@ -10,7 +10,10 @@ from hf_softmax_rnn.commands.demo import chat_sample
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 
-CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 CONTEXTS = (8, 16)
 NEW_TOKENS = 4
 EVAL_TOKENS, EVAL_WINDOW = 64, 16
@@ -24,13 +27,25 @@ def tiny_llama_dir(tmp_path_factory):
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
@@ -40,15 +55,42 @@ def tiny_llama_dir(tmp_path_factory):
 
 def run_demo(model_dir, *extra):
     return main(
-        ["--log-level", "WARNING", "demo", "--model", str(model_dir), "--contexts", *map(str, CONTEXTS),
-         "--max-eval-tokens", str(EVAL_TOKENS), "--eval-window", str(EVAL_WINDOW), "--prefill-chunk", str(PREFILL_CHUNK), "--new-tokens", str(NEW_TOKENS), *extra]
+        [
+            "--log-level",
+            "WARNING",
+            "demo",
+            "--model",
+            str(model_dir),
+            "--contexts",
+            *map(str, CONTEXTS),
+            "--max-eval-tokens",
+            str(EVAL_TOKENS),
+            "--eval-window",
+            str(EVAL_WINDOW),
+            "--prefill-chunk",
+            str(PREFILL_CHUNK),
+            "--new-tokens",
+            str(NEW_TOKENS),
+            *extra,
+        ]
     )
 
 
 @pytest.fixture(scope="module")
 def demo_results(tiny_llama_dir, tmp_path_factory):
     output = tmp_path_factory.mktemp("demo")
-    assert run_demo(tiny_llama_dir, "--presets", "softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "linear_elu", "--output", str(output)) == 0
+    assert (
+        run_demo(
+            tiny_llama_dir,
+            "--presets",
+            "softmax",
+            "gated_softmax_no_gate_L2norm_nodivS_noclamp",
+            "linear_elu",
+            "--output",
+            str(output),
+        )
+        == 0
+    )
     return output, {r["preset"]: r for r in json.loads((output / "demo.json").read_text())["results"]}
 
 
@@ -70,10 +112,14 @@ def test_softmax_row_is_the_unconverted_model(demo_results, tiny_llama_dir):
     nll, count = stream_nll(reference, ids, max_length=EVAL_WINDOW, stride=EVAL_WINDOW - 1, progress=False)
     assert results["softmax"]["eval_tokens"] == count
     assert results["softmax"]["perplexity"] == pytest.approx(torch.tensor(nll / count).exp().item(), rel=1e-5)
-    assert results["softmax"]["sample"] == chat_sample(reference, tokenizer, "What is a Python dictionary? Answer in one sentence.", NEW_TOKENS)
+    assert results["softmax"]["sample"] == chat_sample(
+        reference, tokenizer, "What is a Python dictionary? Answer in one sentence.", NEW_TOKENS
+    )
 
 
-@pytest.mark.parametrize("preset", ["softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"], ids=["softmax", "l2-exact-exp"])
+@pytest.mark.parametrize(
+    "preset", ["softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"], ids=["softmax", "l2-exact-exp"]
+)
 def test_kv_cache_bytes_grow_with_context(demo_results, tiny_llama_dir, preset):
     """A KV cache holds keys and values of every position fed to the model (context + new tokens - 1)."""
     _, results = demo_results
@@ -106,3 +152,10 @@ def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys):
     assert run_demo(tiny_llama_dir, *extra) == 2
     error = capsys.readouterr().err
     assert "hf-softmax-rnn demo: error: " in error and message in error.split("hf-softmax-rnn demo: error: ")[-1]
+
+
+def test_demo_names_an_unreadable_dataset(tiny_llama_dir, tmp_path, capsys):
+    (tmp_path / "held_out.txt").write_bytes(b"\xff\xfe" * 100)
+    assert run_demo(tiny_llama_dir, "--dataset", str(tmp_path / "held_out.txt")) == 2
+    error = capsys.readouterr().err
+    assert "hf-softmax-rnn demo: error: Dataset file " in error and "held_out.txt' is not UTF-8 text" in error

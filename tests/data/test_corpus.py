@@ -2,6 +2,7 @@ import pytest
 from transformers import AutoTokenizer  # noqa: F401  (import check only)
 
 from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
+from hf_softmax_rnn.errors import UserInputError
 
 
 class _CharTokenizer:
@@ -45,3 +46,36 @@ def test_pack_texts_streams_the_same_blocks():
     texts = Dataset.from_dict({"text": ["abcdefg", "hij"]})
     streamed = pack_texts(texts.to_iterable_dataset(), _CharTokenizer(), block_size=4)
     assert [row["input_ids"] for row in streamed] == pack_texts(texts, _CharTokenizer(), block_size=4)["input_ids"]
+
+
+BAD_FILES = {
+    "empty-text": ("empty.txt", b"", r"Dataset file '.*empty\.txt' is empty"),
+    "empty-jsonl": ("empty.jsonl", b"", r"Dataset file '.*empty\.jsonl' is empty"),
+    "binary": ("binary.txt", bytes(range(256)) * 8, r"Dataset file '.*binary\.txt' is not UTF-8 text"),
+    "malformed-jsonl": (
+        "bad.jsonl",
+        b'{"text": "a"}\n{"text": "b"\n',
+        r"Dataset '.*bad\.jsonl' could not be read as json files: .*JSON parse error",
+    ),
+    "malformed-csv": ("bad.csv", b'text\n"a\n', r"Dataset '.*bad\.csv' could not be read as csv files: "),
+    "numbers-not-text": (
+        "numbers.jsonl",
+        b'{"text": 5}\n{"text": 6}\n',
+        r"Column 'text' of dataset '.*numbers\.jsonl' holds int64 values; expected strings",
+    ),
+    "blank-lines-only": ("blank.jsonl", b"\n\n", r"Dataset '.*blank\.jsonl' (is empty|could not be read)"),
+}
+
+
+@pytest.mark.parametrize("name,content,message", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_unreadable_files_name_the_file(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserInputError, match=message):
+        load_corpus(str(tmp_path / name))
+
+
+def test_a_folder_names_the_bad_file(tmp_path):
+    (tmp_path / "good.txt").write_text("a line of text\n" * 5)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserInputError, match=r"Dataset file '.*empty\.txt' is empty"):
+        load_corpus(str(tmp_path))

@@ -1,6 +1,5 @@
 """The attention modules: against transformers' own modules, against the ops, attention transfer."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,17 @@ from hf_softmax_rnn.layers import (
 from hf_softmax_rnn.layers.attention import GATE_BIAS_INIT, SEQLEN_POWER_INIT
 from hf_softmax_rnn.ops import attention, softmax_attention_reference
 
-LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, scale_attn_by_inverse_layer_idx=True, attn_pdrop=0.0, resid_pdrop=0.0)
+LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+GPT2 = dict(
+    n_embd=32, n_layer=2, n_head=4, vocab_size=64, scale_attn_by_inverse_layer_idx=True, attn_pdrop=0.0, resid_pdrop=0.0
+)
 LAYER = 1
 
 
@@ -79,8 +87,12 @@ def test_gpt2_layer_with_softmax_matches_transformers_gpt2_attention_and_its_lay
     torch.testing.assert_close(ours(hidden)[0], stock(hidden)[0], atol=1e-12, rtol=0)
 
 
-GATED_FINITE = AttentionSpec(kind="linear", feature_map="elu", normalizer="rms", input_gate=True, output_gate=True, chunk_size=3)
-GATED_EXACT = AttentionSpec(kind="recurrent_softmax", score_clamp=5.0, normalizer="seqlen_layer", input_gate=True, output_gate=True)
+GATED_FINITE = AttentionSpec(
+    kind="linear", feature_map="elu", normalizer="rms", input_gate=True, output_gate=True, chunk_size=3
+)
+GATED_EXACT = AttentionSpec(
+    kind="recurrent_softmax", score_clamp=5.0, normalizer="seqlen_layer", input_gate=True, output_gate=True
+)
 
 
 def ops_reference(layer, hidden, q, k, v, mask):
@@ -104,23 +116,36 @@ def test_gated_values_in_the_cache_match_the_ops_gates_step_by_step(spec):
     outputs = []
     for positions in [slice(0, 4), slice(4, 5), slice(5, 6), slice(6, 7)]:  # prefill 4, then decode one by one
         q_t, k_t, v_t = (x[..., positions, :] for x in (q, k, v))
-        outputs.append(layer.softmax_rnn_attention(hidden[:, positions], q_t, k_t, v_t, mask[:, : positions.stop], cache))
+        outputs.append(
+            layer.softmax_rnn_attention(hidden[:, positions], q_t, k_t, v_t, mask[:, : positions.stop], cache)
+        )
     torch.testing.assert_close(torch.cat(outputs, dim=1)[mask], expected[mask], atol=1e-10, rtol=0)
     assert layer.uses_recurrent_state == (spec is GATED_FINITE)
 
 
 def test_rnn_params_start_open_identity_like_and_documented():
     spec = AttentionSpec(
-        kind="linear", feature_map="hedgehog", hedgehog_dim=6, normalizer="seqlen_layer", input_gate=True, output_gate=True
+        kind="linear",
+        feature_map="hedgehog",
+        hedgehog_dim=6,
+        normalizer="seqlen_layer",
+        input_gate=True,
+        output_gate=True,
     )
     params = RNNParams(spec, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
     gates = params.gates(torch.randn(2, 5, 32))
-    torch.testing.assert_close(gates["input"], torch.full((2, 2, 5), torch.sigmoid(torch.tensor(GATE_BIAS_INIT)).item()))
-    torch.testing.assert_close(gates["output"], torch.full((2, 4, 5), torch.sigmoid(torch.tensor(GATE_BIAS_INIT)).item()))
+    torch.testing.assert_close(
+        gates["input"], torch.full((2, 2, 5), torch.sigmoid(torch.tensor(GATE_BIAS_INIT)).item())
+    )
+    torch.testing.assert_close(
+        gates["output"], torch.full((2, 4, 5), torch.sigmoid(torch.tensor(GATE_BIAS_INIT)).item())
+    )
     assert torch.equal(params.norm_weight, torch.ones(4, 8)) and torch.equal(params.norm_bias, torch.zeros(4, 8))
     assert torch.equal(params.hedgehog_q, torch.eye(8, 6).expand(4, 8, 6))
     assert torch.equal(params.hedgehog_k, torch.eye(8, 6).expand(2, 8, 6))
-    cosine = RNNParams(AttentionSpec.from_preset("linear_cosine"), num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
+    cosine = RNNParams(
+        AttentionSpec.from_preset("linear_cosine"), num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32
+    )
     assert torch.equal(cosine.seqlen_power, torch.full((4,), SEQLEN_POWER_INIT))
 
 
@@ -216,7 +241,11 @@ def test_frozen_teacher_stays_the_original_softmax_while_projections_train(famil
             getattr(layer, projection).weight.add_(0.5 * torch.randn_like(getattr(layer, projection).weight))
         _layer_call(family, layer, hidden)
         # a frozen teacher keeps the original q/k/v, so the student's change shows; an unfrozen one moves with it
-        assert (layer.transfer_loss.item() > 1e-4) if loss_after_change == "positive" else (layer.transfer_loss.item() < 1e-20)
+        assert (
+            (layer.transfer_loss.item() > 1e-4)
+            if loss_after_change == "positive"
+            else (layer.transfer_loss.item() < 1e-20)
+        )
         set_attention_transfer(layer, False)
         assert not any(name.startswith("_teacher_") for name, _ in layer.named_buffers())
         with torch.no_grad():

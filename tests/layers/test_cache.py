@@ -10,7 +10,14 @@ from hf_softmax_rnn.layers import RecurrentStateLayer, cache_nbytes
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
 from hf_softmax_rnn.ops import RecurrentState
 
-LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
 
 
 def filled_layer(batch=3, seen=5) -> RecurrentStateLayer:

@@ -16,12 +16,24 @@ def tiny_source(family: str) -> torch.nn.Module:
     special = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
     if family == "llama":
         config = LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=VOCAB, max_position_embeddings=64, **special,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            **special,
         )
         return LlamaForCausalLM(config).eval()
     config = GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, scale_attn_by_inverse_layer_idx=True, **special
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        scale_attn_by_inverse_layer_idx=True,
+        **special,
     )
     return GPT2LMHeadModel(config).eval()
 

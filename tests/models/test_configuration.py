@@ -7,7 +7,14 @@ from transformers import AutoConfig
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
 from hf_softmax_rnn.layers import RECURRENT_LAYER_TYPE
 
-LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
 GPT2 = dict(n_embd=32, n_layer=3, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0)
 CONFIGS = {"llama": (SoftmaxRNNLlamaConfig, LLAMA), "gpt2": (SoftmaxRNNGPT2Config, GPT2)}
 
@@ -69,7 +76,15 @@ def test_json_round_trip_through_auto_config(make_config, tmp_path):
         ({"layer_attention": {1.5: "softmax"}}, "key 1.5"),
         ({"attention_mode": "recurrent"}, "attention_mode='recurrent' is not allowed"),
     ],
-    ids=["unknown-preset", "invalid-spec", "unknown-field", "layer-out-of-range", "layer-not-an-int", "layer-float", "bad-mode"],
+    ids=[
+        "unknown-preset",
+        "invalid-spec",
+        "unknown-field",
+        "layer-out-of-range",
+        "layer-not-an-int",
+        "layer-float",
+        "bad-mode",
+    ],
 )
 def test_bad_attention_fields_raise_naming_the_value(make_config, extra, message):
     with pytest.raises(ValueError, match=message):
@@ -82,5 +97,7 @@ def test_attention_spec_of_a_missing_layer_raises(make_config):
 
 
 def test_gpt2_cross_attention_is_rejected():
-    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="add_cross_attention=True is not supported"):
+    with pytest.raises(
+        (ValueError, StrictDataclassClassValidationError), match="add_cross_attention=True is not supported"
+    ):
         SoftmaxRNNGPT2Config(**GPT2, add_cross_attention=True)

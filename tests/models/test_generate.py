@@ -4,10 +4,11 @@ import warnings
 
 import pytest
 import torch
-from .helpers import left_padded_batch, tiny_model
 
 from hf_softmax_rnn import PRESETS, AttentionSpec
 from hf_softmax_rnn.layers import RecurrentStateLayer, cache_nbytes
+
+from .helpers import left_padded_batch, tiny_model
 
 HEAD_DIM = 8
 
@@ -43,18 +44,26 @@ def test_cached_greedy_generation_matches_recomputation(family, preset):
     cached = model.generate(ids, attention_mask=mask, **GREEDY)
     uncached = model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY)
     assert_same_generation(cached, uncached)
-    assert [isinstance(layer, RecurrentStateLayer) for layer in cached.cache.layers] == [preset in RECURRENT_PRESETS] * 2
+    assert [isinstance(layer, RecurrentStateLayer) for layer in cached.cache.layers] == [
+        preset in RECURRENT_PRESETS
+    ] * 2
 
 
-@pytest.mark.parametrize("preset", [*RECURRENT_PRESETS, "softmax", "gated_softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"])
+@pytest.mark.parametrize(
+    "preset", [*RECURRENT_PRESETS, "softmax", "gated_softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp"]
+)
 def test_left_padded_rows_match_their_unpadded_generation(family, preset):
-    model = tiny_model(family, AttentionSpec.from_preset(preset, chunk_size=4) if preset in RECURRENT_PRESETS else preset)
+    model = tiny_model(
+        family, AttentionSpec.from_preset(preset, chunk_size=4) if preset in RECURRENT_PRESETS else preset
+    )
     ids, mask = left_padded_batch(lengths=(10, 6, 3))
     batched = model.generate(ids, attention_mask=mask, **GREEDY)
     for row in range(ids.shape[0]):
         alone = ids[row : row + 1, ~mask[row].eq(0)]
         single = model.generate(alone, attention_mask=torch.ones_like(alone), **GREEDY)
-        assert torch.equal(batched.sequences[row, -GREEDY["max_new_tokens"] :], single.sequences[0, -GREEDY["max_new_tokens"] :])
+        assert torch.equal(
+            batched.sequences[row, -GREEDY["max_new_tokens"] :], single.sequences[0, -GREEDY["max_new_tokens"] :]
+        )
         for step_batched, step_single in zip(batched.logits, single.logits):
             torch.testing.assert_close(step_batched[row], step_single[0], atol=1e-4, rtol=0)
 
@@ -64,7 +73,9 @@ def test_recurrent_cache_memory_does_not_grow_with_generated_tokens(family):
     ids, mask = left_padded_batch()
     sizes = {}
     for new_tokens in (1, 4, 16):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True
+        )
         sizes[new_tokens] = cache_nbytes(out.cache)
     features = AttentionSpec.from_preset("softmax_taylor_2").feature_dim(HEAD_DIM)
     kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
@@ -77,7 +88,11 @@ def test_kv_cache_memory_grows_with_generated_tokens(family):
     model = tiny_model(family, "softmax")
     ids, mask = left_padded_batch()
     sizes = [
-        cache_nbytes(model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True).cache)
+        cache_nbytes(
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True
+            ).cache
+        )
         for n in (2, 6)
     ]
     kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
@@ -89,7 +104,12 @@ def test_beam_search_with_several_returned_sequences_matches_uncached(family, pr
     model = tiny_model(family, preset)
     ids, mask = left_padded_batch()
     settings = dict(
-        max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True, return_dict_in_generate=True
+        max_new_tokens=5,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     cached = model.generate(ids, attention_mask=mask, **settings)
     uncached = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
@@ -118,7 +138,10 @@ def test_hybrid_keeps_a_kv_cache_for_softmax_layers_in_the_same_cache(family):
     uncached = model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY)
     assert_same_generation(cached, uncached)
     first, second = cached.cache.layers
-    assert not isinstance(first, RecurrentStateLayer) and first.keys.shape[-2] == ids.shape[1] + GREEDY["max_new_tokens"] - 1
+    assert (
+        not isinstance(first, RecurrentStateLayer)
+        and first.keys.shape[-2] == ids.shape[1] + GREEDY["max_new_tokens"] - 1
+    )
     assert isinstance(second, RecurrentStateLayer) and second.get_seq_length() == first.get_seq_length()
 
 
@@ -131,7 +154,9 @@ def test_assisted_generation_is_refused_for_recurrent_states():
 
 SMALL_WINDOWS = {
     "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
-    "taylor2_l2_window4": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, chunk_size=3),
+    "taylor2_l2_window4": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, chunk_size=3
+    ),
 }
 
 
@@ -144,7 +169,9 @@ def test_window_hybrids_generate_as_recomputation_past_the_window(family, name):
     assert_same_generation(cached, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
     beams = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, return_dict_in_generate=True)
     beam_cached = model.generate(ids, attention_mask=mask, **beams)
-    assert torch.equal(beam_cached.sequences, model.generate(ids, attention_mask=mask, use_cache=False, **beams).sequences)
+    assert torch.equal(
+        beam_cached.sequences, model.generate(ids, attention_mask=mask, use_cache=False, **beams).sequences
+    )
     sampling = dict(max_new_tokens=6, do_sample=True, top_k=20, num_return_sequences=2)
     torch.manual_seed(5)
     sampled = model.generate(ids, attention_mask=mask, **sampling)
@@ -160,7 +187,11 @@ def test_window_state_is_constant_in_size(family):
     model = tiny_model(family, SMALL_WINDOWS["hedgehog_window3"])
     ids, mask = left_padded_batch()
     sizes = {
-        n: cache_nbytes(model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True).cache)
+        n: cache_nbytes(
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, do_sample=False, return_dict_in_generate=True
+            ).cache
+        )
         for n in (1, 8)
     }
     spec = SMALL_WINDOWS["hedgehog_window3"]

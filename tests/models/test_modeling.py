@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from .helpers import VOCAB, left_padded_batch, perturb_rnn_params, tiny_model, tiny_source
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
@@ -16,18 +15,30 @@ from hf_softmax_rnn import (
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 from hf_softmax_rnn.models import SoftmaxRNNGPT2Model, SoftmaxRNNLlamaModel
 
+from .helpers import VOCAB, left_padded_batch, perturb_rnn_params, tiny_model, tiny_source
+
 CLASSES = {
     "llama": (SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM, SoftmaxRNNLlamaModel),
     "gpt2": (SoftmaxRNNGPT2Config, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNGPT2Model),
 }
-FINITE_PRESETS = ["linear_elu", "linear_cosine", "linear_hedgehog", "softmax_taylor_2", "gated_ReLU_no_gate_L2norm_nodivS_noclamp"]
+FINITE_PRESETS = [
+    "linear_elu",
+    "linear_cosine",
+    "linear_hedgehog",
+    "softmax_taylor_2",
+    "gated_ReLU_no_gate_L2norm_nodivS_noclamp",
+]
 WITH_PARAMS = ["gated_softmax", "softmax_divS_norm", "linear_cosine", "linear_hedgehog", "softmax_detach_denom_gate"]
 
 
 def built_from_config(family, spec, source):
     """Our class built from a config (not via convert), holding the stock model's weights."""
     config_class, model_class, _ = CLASSES[family]
-    fields = {k: v for k, v in source.config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    fields = {
+        k: v
+        for k, v in source.config.to_dict().items()
+        if k not in ("model_type", "architectures", "transformers_version")
+    }
     model = model_class(config_class(attention=spec, **fields)).eval()
     incompatible = model.load_state_dict(source.state_dict(), strict=False)
     assert not incompatible.unexpected_keys
@@ -60,8 +71,14 @@ def test_parameter_names_are_transformers_plus_rnn_params(family, preset):
 # what each spec adds per layer, by the spec's meaning (SPEC s.2-3): name -> shape with H=4, Hkv=2 (llama), D=8
 EXPECTED_RNN_PARAMS = {
     "softmax": {},
-    "gated_softmax": {"input_gate.weight": (2, 32), "input_gate.bias": (2,), "output_gate.weight": (4, 32),
-                      "output_gate.bias": (4,), "norm_weight": (4, 8), "norm_bias": (4, 8)},
+    "gated_softmax": {
+        "input_gate.weight": (2, 32),
+        "input_gate.bias": (2,),
+        "output_gate.weight": (4, 32),
+        "output_gate.bias": (4,),
+        "norm_weight": (4, 8),
+        "norm_bias": (4, 8),
+    },
     "softmax_divS_norm": {"norm_weight": (4, 8)},
     "linear_cosine": {"seqlen_power": (4,)},
     "linear_hedgehog": {"hedgehog_q": (4, 8, 8), "hedgehog_k": (2, 8, 8)},
@@ -106,7 +123,9 @@ def test_chunked_forward_matches_parallel(family, preset):
     assert [module.attention_mode for module in softmax_rnn_attention_modules(chunked)] == ["chunked", "chunked"]
     ids, mask = left_padded_batch(lengths=(11, 7))
     visible = mask.bool()
-    torch.testing.assert_close(logits(chunked, ids, mask)[visible], logits(parallel, ids, mask)[visible], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logits(chunked, ids, mask)[visible], logits(parallel, ids, mask)[visible], atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("preset", ["gated_softmax", "linear_hedgehog", "linear_cosine", "softmax_divS_norm"])
@@ -164,7 +183,9 @@ def test_peft_lora_with_rnn_params_saved_trains_only_adapters_and_rnn_params(fam
     wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=targets, modules_to_save=["rnn_params"]))
     trainable = [name for name, p in wrapped.named_parameters() if p.requires_grad]
     assert all(".lora_" in name or ".rnn_params.modules_to_save." in name for name in trainable)
-    assert sum(".rnn_params.modules_to_save." in name for name in trainable) == 2 * 6  # 2 layers x (2 gates x 2 + norm w, b)
+    assert (
+        sum(".rnn_params.modules_to_save." in name for name in trainable) == 2 * 6
+    )  # 2 layers x (2 gates x 2 + norm w, b)
     ids, mask = left_padded_batch()
     wrapped(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
     assert all(p.grad is not None for name, p in wrapped.named_parameters() if ".rnn_params.modules_to_save." in name)

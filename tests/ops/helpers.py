@@ -41,7 +41,9 @@ EXTRA_FINITE_SPECS = {
         kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, input_gate=True, output_gate=True
     ),
     "window2_identity_rms": AttentionSpec(kind="linear", feature_map="identity", normalizer="rms", window=2),
-    "window5_cosine_seqlen_layer": AttentionSpec(kind="linear", feature_map="cosine", normalizer="seqlen_layer", window=5),
+    "window5_cosine_seqlen_layer": AttentionSpec(
+        kind="linear", feature_map="cosine", normalizer="seqlen_layer", window=5
+    ),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
@@ -51,9 +53,17 @@ def make_inputs(batch=2, heads=4, kv_heads=2, length=11, head_dim=8, dtype=torch
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
+        return (
+            (scale * torch.randn(*shape, generator=generator, dtype=torch.float64))
+            .to(dtype)
+            .requires_grad_(requires_grad)
+        )
 
-    q, k, v = randn(batch, heads, length, head_dim), randn(batch, kv_heads, length, head_dim), randn(batch, kv_heads, length, head_dim)
+    q, k, v = (
+        randn(batch, heads, length, head_dim),
+        randn(batch, kv_heads, length, head_dim),
+        randn(batch, kv_heads, length, head_dim),
+    )
     gate_logits = {"input": randn(batch, kv_heads, length), "output": randn(batch, heads, length)}
     return q, k, v, gate_logits
 
@@ -63,7 +73,11 @@ def make_params(spec: AttentionSpec, heads=4, kv_heads=2, head_dim=8, dtype=torc
     width = spec.hedgehog_dim or head_dim
 
     def randn(*shape, scale=1.0, shift=0.0):
-        return (shift + scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
+        return (
+            (shift + scale * torch.randn(*shape, generator=generator, dtype=torch.float64))
+            .to(dtype)
+            .requires_grad_(requires_grad)
+        )
 
     return {
         "norm_weight": randn(heads, head_dim, scale=0.3, shift=1.0),

@@ -15,8 +15,12 @@ from hf_softmax_rnn.ops.taylor import TaylorKernel
 def chunk_kernel(spec, scale):
     return build_kernel(spec, scale, AttentionParams(hedgehog_q=torch.eye(8)[None], hedgehog_k=torch.eye(8)[None]))
 
+
 KERNEL_SPECS = {
-    **{f"taylor{order}": AttentionSpec(kind="recurrent_softmax", taylor_order=order, normalizer="l2") for order in range(4)},
+    **{
+        f"taylor{order}": AttentionSpec(kind="recurrent_softmax", taylor_order=order, normalizer="l2")
+        for order in range(4)
+    },
     **{name: AttentionSpec(kind="linear", feature_map=name) for name in ("identity", "elu", "relu")},
 }
 
@@ -81,7 +85,9 @@ def test_float32_gradients_over_many_chunks():
     spec = KERNEL_SPECS["taylor2"]
     inputs64 = _inputs(spec, length, head_dim=head_dim, groups=3, kv_heads=1, seed=3)
     inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
-    weights = torch.randn(2, 1, 3, length, head_dim + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    weights = torch.randn(
+        2, 1, 3, length, head_dim + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(4)
+    )
 
     def run(inputs):
         out, _ = chunked_kernel_attention(*inputs, TaylorKernel(2, head_dim**-0.5), 8)
@@ -104,5 +110,7 @@ def test_engine_takes_strided_inputs(length):
     strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
     assert not any(x.is_contiguous() for x in strided)
     kernel = chunk_kernel(spec, 0.3)
-    for got, want in zip(chunked_kernel_attention(*strided, state, kernel, 4), chunked_kernel_attention(q, k, v, state, kernel, 4)):
+    for got, want in zip(
+        chunked_kernel_attention(*strided, state, kernel, 4), chunked_kernel_attention(q, k, v, state, kernel, 4)
+    ):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -15,7 +15,11 @@ from .helpers import make_inputs
         (AttentionSpec(), "chunked", "exact exponential"),
         (AttentionSpec(kind="recurrent_softmax", normalizer="l2"), "recurrent", "exact exponential"),
         (AttentionSpec(kind="recurrent_softmax", taylor_order=2, score_clamp=5.0), "chunked", "score_clamp=5.0"),
-        (AttentionSpec(kind="recurrent_softmax", taylor_order=6), "recurrent", r"order-6 Taylor state for head_dim=8 needs"),
+        (
+            AttentionSpec(kind="recurrent_softmax", taylor_order=6),
+            "recurrent",
+            r"order-6 Taylor state for head_dim=8 needs",
+        ),
         (AttentionSpec(kind="linear", feature_map="elu"), "sideways", "mode='sideways'"),
     ],
     ids=["softmax_chunked", "exact_exp_recurrent", "clamped_taylor", "state_too_big", "unknown_mode"],

@@ -74,8 +74,15 @@ def test_state_handed_across_calls(name, second_mode):
     for piece in (slice(0, 7), slice(7, 12), slice(12, 13)):
         gates_piece = {name: g[..., piece] for name, g in gate_logits.items()}
         out, state = _run(
-            spec, second_mode, q[..., piece, :], k[..., piece, :], v[..., piece, :], gates_piece, params,
-            mask[:, : piece.stop], state,
+            spec,
+            second_mode,
+            q[..., piece, :],
+            k[..., piece, :],
+            v[..., piece, :],
+            gates_piece,
+            params,
+            mask[:, : piece.stop],
+            state,
         )
         pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, **TOL)

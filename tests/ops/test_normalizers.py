@@ -45,7 +45,9 @@ def test_exact_exp_is_stabilised_by_the_row_max(normalizer):
     out, _ = attention(q, k, v, spec, params=as_params(params))
     scores = torch.exp(8**-0.5 * q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * torch.ones(9, 9).tril()
     numerator = scores @ v.repeat_interleave(2, 1)
-    direct = normalize(numerator, scores.sum(-1), torch.arange(1, 10)[None, None].expand(2, 1, 9), spec, as_params(params))
+    direct = normalize(
+        numerator, scores.sum(-1), torch.arange(1, 10)[None, None].expand(2, 1, 9), spec, as_params(params)
+    )
     torch.testing.assert_close(out, direct, rtol=1e-6, atol=1e-7)
 
     big_q, big_k = (40 * q).bfloat16(), (40 * k).bfloat16()

@@ -32,7 +32,11 @@ def test_recurrent_softmax_exact_exp_with_softmax_normaliser_is_softmax():
 def test_fully_padded_rows_are_zero_not_nan():
     q, k, v, _ = make_inputs(length=6, dtype=torch.float32)
     mask = left_padding_mask(2, 6, [3, 0])
-    for spec in (AttentionSpec(), AttentionSpec(kind="recurrent_softmax"), AttentionSpec(kind="linear", feature_map="elu")):
+    for spec in (
+        AttentionSpec(),
+        AttentionSpec(kind="recurrent_softmax"),
+        AttentionSpec(kind="linear", feature_map="elu"),
+    ):
         out, _ = attention(q, k, v, spec, attention_mask=mask)
         assert torch.isfinite(out).all()
         assert out[0, :, :3].abs().max() == 0

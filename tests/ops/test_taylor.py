@@ -8,7 +8,13 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.attention_spec import taylor_feature_dim
-from hf_softmax_rnn.ops import attention, softmax_attention_reference, taylor_exp, taylor_features, taylor_features_reference
+from hf_softmax_rnn.ops import (
+    attention,
+    softmax_attention_reference,
+    taylor_exp,
+    taylor_features,
+    taylor_features_reference,
+)
 
 from .helpers import make_inputs
 
@@ -23,7 +29,9 @@ def test_taylor_features_dot_product_is_truncated_exp(order):
     torch.testing.assert_close(taylor_exp(dots, order), expected)
 
 
-@pytest.mark.parametrize(("head_dim", "order", "size"), [(64, 2, 1 + 64 + 2080), (64, 3, 1 + 64 + 2080 + 45760), (8, 0, 1)])
+@pytest.mark.parametrize(
+    ("head_dim", "order", "size"), [(64, 2, 1 + 64 + 2080), (64, 3, 1 + 64 + 2080 + 45760), (8, 0, 1)]
+)
 def test_symmetric_basis_size(head_dim, order, size):
     assert taylor_feature_dim(head_dim, order) == size
     assert taylor_features(torch.zeros(1, head_dim), order).shape[-1] == size

@@ -49,7 +49,9 @@ def naive_window_attention(q, k, v, spec, params, mask, scale):
                         phi_k = _phi(k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv])
                         weight = params.linear_log_scale[h].exp() * scale * phi_q @ phi_k
                     numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
-                out[b, h, t] = numerator / denominator if spec.normalizer == "softmax" else F.normalize(numerator, dim=0)
+                out[b, h, t] = (
+                    numerator / denominator if spec.normalizer == "softmax" else F.normalize(numerator, dim=0)
+                )
     return out
 
 

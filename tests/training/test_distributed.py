@@ -43,7 +43,8 @@ def test_two_cpu_processes_agree_with_each_other_and_with_one_process(tiny_model
     script.write_text(RANK_SCRIPT)
     config = tiny_config(tiny_models["llama"], tmp_path / "two", batch_size=1, **SETTINGS)
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
         str(script), json.dumps(config.to_dict()), str(tmp_path),
     ]  # fmt: skip

@@ -4,8 +4,10 @@ import re
 
 import huggingface_hub.constants
 import pytest
+from accelerate.state import AcceleratorState
 
 from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from tests.training.helpers import MAX_POSITIONS, tiny_config
 
@@ -13,30 +15,30 @@ BAD_RUNS = {
     "missing-dataset": (dict(dataset="{tmp}/missing.txt"), FileNotFoundError, r"missing\.txt"),
     "block-size-above-max-positions": (
         dict(block_size=MAX_POSITIONS * 2),
-        ValueError,
+        UserInputError,
         rf"block_size=128 is larger than the model's maximum of {MAX_POSITIONS} positions",
     ),
     "lora-target-matching-nothing": (
         dict(lora_targets=["q_proj", "query_key_value"]),
-        ValueError,
+        UserInputError,
         r"LoRA target 'query_key_value' matches no Linear/Conv1D module .* \['down_proj', 'gate_proj', 'k_proj'",
     ),
     "transfer-module-not-in-layers": (
         dict(transfer_modules=["gates"]),
-        ValueError,
+        UserInputError,
         r"'gates' is not a submodule .* 'rnn_params'",
     ),
     "transfer-modules-without-parameters": (
         dict(attention="linear_elu", transfer_modules=["rnn_params"]),
-        ValueError,
+        UserInputError,
         r"\['rnn_params'\] hold no parameters",
     ),
     "transfer-without-converted-layers": (
         dict(attention="softmax"),
-        ValueError,
+        UserInputError,
         "every attention layer is exact softmax",
     ),
-    "layer-out-of-range": (dict(layers=[0, 7]), ValueError, r"layers=\[0, 7\]"),
+    "layer-out-of-range": (dict(layers=[0, 7]), UserInputError, r"layers=\[0, 7\]"),
     "missing-model": (dict(model="{tmp}/no_model"), FileNotFoundError, "no_model"),
 }
 
@@ -47,8 +49,23 @@ def test_bad_input_stops_before_training(tiny_models, tmp_path, settings, error,
     config = tiny_config(settings.pop("model", tiny_models["llama"]), tmp_path / "out", **settings)
     with pytest.raises(error, match=message):
         Finetuner(config)
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not (tmp_path / "out").exists()
+
+
+BAD_DATA = {
+    "binary-file": ("data.txt", bytes(range(256)) * 8, r"Dataset file '.*data\.txt' is not UTF-8 text"),
+    "too-little-text": ("data.txt", b"one short line\n" * 12, r"The held-out split has no full block of 16 tokens"),
+}
+
+
+@pytest.mark.parametrize("name,content,message", BAD_DATA.values(), ids=BAD_DATA.keys())
+def test_cli_reports_bad_data_and_exits_2(tiny_models, tmp_path, capsys, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    arguments = ["--output-dir", str(tmp_path / "out"), "--model", tiny_models["llama"], "--block-size", "16"]
+    assert main(["finetune", *arguments, "--dataset", str(tmp_path / name), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"^hf-softmax-rnn finetune: error: " + message, error, re.MULTILINE), error
+    assert not (tmp_path / "out").exists()
 
 
 BAD_SETTINGS = {
@@ -63,13 +80,62 @@ BAD_SETTINGS = {
     ),
     "nothing-to-train": (dict(transfer_steps=0, finetune_steps=0), "nothing to train"),
     "zero-batch": (dict(batch_size=0), r"batch_size=0 is not allowed"),
+    "negative-max-grad-norm": (
+        dict(max_grad_norm=-1.0),
+        r"max_grad_norm=-1\.0 is not allowed; expected a number >= 0 \(0: no clipping\)",
+    ),
+    "negative-weight-decay": (dict(weight_decay=-0.1), r"weight_decay=-0\.1 is not allowed; expected a number >= 0"),
+    "zero-lora-alpha": (dict(lora_alpha=0.0), r"lora_alpha=0\.0 is not allowed; expected a number > 0"),
+    "negative-lora-alpha": (dict(lora_alpha=-16.0), r"lora_alpha=-16\.0 is not allowed; expected a number > 0"),
+    "zero-lr": (dict(lr=0.0), r"lr=0\.0 is not allowed; expected a number > 0"),
+    "negative-lr": (dict(lr=-1e-3), r"lr=-0\.001 is not allowed; expected a number > 0"),
+    "nan-lr": (dict(lr=float("nan")), r"lr=nan is not allowed; expected a number > 0"),
+    "zero-transfer-lr": (dict(transfer_lr=0.0), r"transfer_lr=0\.0 is not allowed; expected a number > 0"),
+    "lora-dropout-one": (dict(lora_dropout=1.0), r"lora_dropout=1\.0 is not allowed; expected a number in \[0, 1\)"),
+    "negative-lora-dropout": (
+        dict(lora_dropout=-0.1),
+        r"lora_dropout=-0\.1 is not allowed; expected a number in \[0, 1\)",
+    ),
+    "spec-json-wrong-type": (
+        dict(attention='{"kind": "recurrent_softmax", "taylor_order": "two"}'),
+        r"--attention .*AttentionSpec\.taylor_order='two' has type str",
+    ),
+    "spec-json-list": (
+        dict(attention='["softmax"]'),
+        r"--attention '\[\"softmax\"\]' is not allowed; expected a preset name, a JSON object or a \.json file",
+    ),
+    "resume-and-overwrite": (
+        dict(resume=True, overwrite=True),
+        r"--resume and --overwrite contradict each other .*; pass one",
+    ),
 }
 
 
 @pytest.mark.parametrize("settings,message", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
 def test_bad_settings_are_refused(tmp_path, settings, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserInputError, match=message):
         FinetuneConfig(output_dir=str(tmp_path), **settings)
+
+
+def test_spec_file_that_is_not_json_is_refused(tmp_path):
+    (tmp_path / "spec.json").write_text("{kind: softmax")
+    with pytest.raises(UserInputError, match=r"--attention file '.*spec\.json' is not valid JSON"):
+        FinetuneConfig(output_dir=str(tmp_path / "out"), attention=str(tmp_path / "spec.json"))
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one state per process; a run with other mixed precision needs a fresh one."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_fp16_without_a_gpu_is_refused(tiny_models, tmp_path, fresh_accelerator_state):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", mixed_precision="fp16", cpu=True)
+    with pytest.raises(UserInputError, match=r"mixed_precision='fp16' is not allowed on cpu; expected 'bf16' or 'no'"):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_reports_bad_input_and_exits_2(tiny_models, tmp_path, capsys):
@@ -126,6 +192,7 @@ def test_diverging_run_stops_instead_of_training_on_nan(tiny_models, tmp_path):
         tiny_models["llama"], tmp_path / "out", transfer_steps=0, finetune_method="full", lr=1e30, max_grad_norm=None
     )
     with pytest.raises(
-        FloatingPointError, match=r"Stage finetune: the loss is nan at step \d; lower the learning rate"
+        FloatingPointError, match=r"Stage finetune: training diverged at step \d \(.* is (nan|not finite)\); lower the"
     ):
         finetune(config)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -7,7 +7,8 @@ import numpy as np
 _CITATION = """\
 @article{arora2023zoology,
   title={Zoology: Measuring and Improving Recall in Efficient Language Models},
-  author={Arora, Simran and Eyuboglu, Sabri and Timalsina, Aman and Johnson, Isys and Poli, Michael and Zou, James and Rudra, Atri and R{\\'e}, Christopher},
+  author={Arora, Simran and Eyuboglu, Sabri and Timalsina, Aman and Johnson, Isys and Poli, Michael
+          and Zou, James and Rudra, Atri and R{\\'e}, Christopher},
   journal={arXiv preprint arXiv:2312.04927},
   year={2023}
 }

@@ -7,4 +7,9 @@ from hf_softmax_rnn.models.llama.modeling_softmax_rnn_llama import (
     SoftmaxRNNLlamaPreTrainedModel,
 )
 
-__all__ = ["SoftmaxRNNLlamaConfig", "SoftmaxRNNLlamaForCausalLM", "SoftmaxRNNLlamaModel", "SoftmaxRNNLlamaPreTrainedModel"]
+__all__ = [
+    "SoftmaxRNNLlamaConfig",
+    "SoftmaxRNNLlamaForCausalLM",
+    "SoftmaxRNNLlamaModel",
+    "SoftmaxRNNLlamaPreTrainedModel",
+]

@@ -1,0 +1,220 @@
+"""How much of a pretrained model's quality each converted attention recovers, and what it costs.
+
+For every row: convert the model, then run `hf-softmax-rnn finetune` (the library's `Finetuner`)
+with the recipe's defaults: teacher-forced attention transfer, then LoRA distilled from the
+unconverted model. Held-out perplexity on long blocks (1,024 tokens by default) is measured
+before conversion, right after it, after transfer and after LoRA, with the training tokens and
+wall time of each stage beside it, and one greedy sample per row.
+
+    python scripts/bench_recovery.py                                   # every row, the embedded SmolLM2
+    python scripts/bench_recovery.py --rows hedgehog_window_64 --transfer-steps 60 --finetune-steps 150
+    python scripts/bench_recovery.py --model tiny/ --block-size 32 --eval-blocks 4 --output out/  # a quick check
+
+Writes `recovery.md`, `recovery.json` and `recovery.png` into `--output` (docs/figures/recovery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+from hf_softmax_rnn.training import FinetuneConfig
+from hf_softmax_rnn.training.trainer import Finetuner
+
+logger = logging.getLogger("bench_recovery")
+
+#: Rows: name -> attention preset (None: the model as it is). "window_only" is the floor any
+#: hybrid must beat: exact softmax over the last 64 positions and nothing beyond.
+ROWS = {
+    "base": None,
+    "window_only": "hedgehog_window_64",
+    "linear_elu": "linear_elu",
+    "linear_hedgehog": "linear_hedgehog",
+    "softmax_taylor_2": "softmax_taylor_2",
+    "hedgehog_window_64": "hedgehog_window_64",
+    "taylor_2_window_64": "taylor_2_window_64",
+    "hedgehog_window_64_l2": "hedgehog_window_64_l2",
+    "gated_softmax_no_gate_L2norm_nodivS_noclamp": "gated_softmax_no_gate_L2norm_nodivS_noclamp",
+}
+POINTS = ("converted", "transfer", "finetune")
+PROMPT = "The for statement in Python"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a folder or a Hub id")
+    parser.add_argument("--dataset", default="pydoc", help="training and held-out text (see finetune --dataset)")
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), help="rows to run, in order")
+    parser.add_argument("--block-size", type=int, default=1024, help="tokens per training and held-out block")
+    parser.add_argument("--eval-blocks", type=int, default=4, help="held-out blocks scored at each point")
+    parser.add_argument("--transfer-steps", type=int, help="attention-transfer steps (default: the recipe's)")
+    parser.add_argument("--finetune-steps", type=int, help="LoRA steps (default: the recipe's)")
+    parser.add_argument("--batch-size", type=int, default=1, help="blocks per step")
+    parser.add_argument("--sample-tokens", type=int, default=24, help="greedy tokens sampled per row")
+    parser.add_argument("--output", default="docs/figures/recovery", help="folder for recovery.md/.json/.png")
+    parser.add_argument("--append", action="store_true", help="add the rows to those already in --output")
+    return parser.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace, preset: str, output_dir: str) -> FinetuneConfig:
+    overrides = {
+        name: getattr(args, name) for name in ("transfer_steps", "finetune_steps") if getattr(args, name) is not None
+    }
+    return FinetuneConfig(
+        output_dir=output_dir,
+        model=args.model,
+        attention=preset,
+        dataset=args.dataset,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        eval_batch_size=1,
+        max_eval_blocks=args.eval_blocks,
+        eval_every=10**9,
+        save_every=10**9,
+        progress=True,
+        **overrides,
+    )
+
+
+def _sample(model, tokenizer, tokens: int) -> str:
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+    return (
+        tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).replace("\n", " ").replace("|", "/").strip()
+    )
+
+
+def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Path) -> dict:
+    """Train one row (or, for "base" and "window_only", only measure it); returns its record."""
+    if preset is None or name == "window_only":
+        config = _settings(args, preset or "hedgehog_window_64", str(workdir / name))
+        finetuner = Finetuner(config)
+        model = finetuner.base_model if preset is None else _window_only(finetuner.converted)
+        start = time.perf_counter()
+        evaluation = finetuner.evaluate(model, "converted")
+        return {
+            "row": name,
+            "attention": preset or "unconverted",
+            "points": {"converted": {**evaluation, "train_tokens": 0, "stage_seconds": 0.0}},
+            "seconds": round(time.perf_counter() - start, 1),
+            "sample": _sample(model, finetuner.tokenizer, args.sample_tokens),
+        }
+    start = time.perf_counter()
+    finetuner = Finetuner(_settings(args, preset, str(workdir / name)))
+    result = finetuner.run()
+    evaluations = result.evaluations
+    points = {point: evaluations[point] for point in POINTS if point in evaluations}
+    for stage, seconds in result.stage_seconds.items():
+        points[stage] = {**points[stage], "stage_seconds": seconds}
+    return {
+        "row": name,
+        "attention": preset,
+        "base": evaluations.get("base"),
+        "points": points,
+        "seconds": round(time.perf_counter() - start, 1),
+        "sample": _sample(result.model, result.tokenizer, args.sample_tokens),
+        "layer_mse": _layer_mse(result.output_dir),
+    }
+
+
+def _window_only(model):
+    """The hybrid with nothing beyond the window: the finite-state part weighted by e^-10000 = 0."""
+    with torch.no_grad():
+        for module in softmax_rnn_attention_modules(model):
+            module.rnn_params.linear_log_scale.fill_(-1e4)
+    return model
+
+
+def _layer_mse(output_dir: Path) -> dict | None:
+    path = Path(output_dir) / "transfer_layer_mse.json"
+    if not path.exists():
+        return None
+    points = json.loads(path.read_text())
+    return {point: sum(values) for point, values in points.items()}
+
+
+def _cell(point: dict | None) -> str:
+    if point is None:
+        return "-"
+    tokens = point.get("train_tokens", 0)
+    cost = f" ({tokens / 1000:.0f}k tok, {point.get('stage_seconds', 0) / 60:.1f} min)" if tokens else ""
+    return f"{point['perplexity']:,.1f}{cost}"
+
+
+def table(records: list[dict], args: argparse.Namespace) -> str:
+    base = next((r["points"]["converted"] for r in records if r["row"] == "base"), None)
+    scored = base["eval_tokens"] if base else records[0]["points"]["converted"]["eval_tokens"]
+    lines = [
+        f"Held-out perplexity over {scored:,} tokens (blocks of {args.block_size}, each scored on its own); "
+        "in brackets the training tokens and wall time of that stage.",
+        "",
+        "| row | attention | after conversion | after transfer | after LoRA | ratio to base | transfer MSE "
+        "(sum over layers) | greedy sample |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        points = record["points"]
+        final = points.get("finetune") or points.get("transfer") or points["converted"]
+        ratio = f"{final['perplexity'] / base['perplexity']:.2f}x" if base else "-"
+        mse = record.get("layer_mse")
+        mse_cell = f"{mse['before']:.3g} -> {mse['after']:.3g}" if mse and "after" in mse else "-"
+        cells = [_cell(points.get(point)) for point in POINTS]
+        lines.append(
+            f"| {record['row']} | `{record['attention']}` | {' | '.join(cells)} | {ratio} | {mse_cell} | "
+            f"{record['sample'][:90]} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 4))
+    width = 0.27
+    for offset, point in enumerate(POINTS):
+        values = [r["points"].get(point, {}).get("perplexity", math.nan) for r in records]
+        axis.bar([i + (offset - 1) * width for i in range(len(records))], values, width, label=f"after {point}")
+    base = next((r["points"]["converted"]["perplexity"] for r in records if r["row"] == "base"), None)
+    if base:
+        axis.axhline(base, color="black", linestyle="--", linewidth=1, label="unconverted")
+    axis.set_yscale("log")
+    axis.set_xticks(range(len(records)), [r["row"] for r in records], rotation=25, ha="right", fontsize=8)
+    axis.set_ylabel("held-out perplexity")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    saved = output / "recovery.json"
+    records = json.loads(saved.read_text()) if args.append and saved.exists() else []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in args.rows:
+            records.append(run_row(args, name, ROWS[name], Path(workdir)))
+            saved.write_text(json.dumps(records, indent=1))
+            logger.info("Row %s done: %s", name, json.dumps(records[-1]["points"]))
+    markdown = table(records, args)
+    (output / "recovery.md").write_text(markdown + "\n")
+    plot(records, output / "recovery.png")
+    print(markdown)
+    return records
+
+
+if __name__ == "__main__":
+    main()

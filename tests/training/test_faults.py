@@ -1,0 +1,177 @@
+"""Damaged checkpoints, changed data and half-written logs: a resumed run is exact, or says why not.
+
+(A run SIGKILLed at any moment is covered by test_resume.py.)
+"""
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+
+import pytest
+import torch
+
+from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.checkpointing import (
+    MANIFEST_FILE,
+    InexactResumeError,
+    checkpoint_dirs,
+    checkpoint_problems,
+)
+from hf_softmax_rnn.training.metrics import MetricsLogger, read_metrics
+from tests.training.helpers import tiny_config, weights
+
+# 4 full fine-tuning steps, checkpoints at global steps 2 and 4 (both kept)
+SETTINGS = dict(transfer_steps=0, finetune_steps=4, finetune_method="full", save_every=2, eval_every=2)
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def empty(path):
+    path.write_text("")
+
+
+DAMAGES = {
+    "truncated-weights": ("model.safetensors", truncate),
+    "flipped-optimizer-byte": ("optimizer.bin", flip_a_byte),
+    "empty-trainer-state": ("trainer_state.json", empty),
+    "missing-rng-states": ("random_states_0.pkl", lambda path: path.unlink()),
+    "missing-manifest": (MANIFEST_FILE, lambda path: path.unlink()),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_models, tmp_path_factory):
+    """A finished run (its config and folder); each test damages a copy of the folder."""
+    data = tmp_path_factory.mktemp("data") / "texts.txt"
+    data.write_text("\n".join(load_corpus()["train"]["text"][:40]))
+    out = tmp_path_factory.mktemp("finished") / "out"
+    config = tiny_config(tiny_models["llama"], out, dataset=str(data), **SETTINGS)
+    finetune(config)
+    return config, out
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    """(config with --resume, folder): a copy of the finished run to damage and resume."""
+    config, out = finished_run
+    shutil.copytree(out, tmp_path / "out")
+    return dataclasses.replace(config, output_dir=str(tmp_path / "out"), resume=True), tmp_path / "out"
+
+
+def test_every_checkpoint_verifies_against_its_manifest(finished_run):
+    _, out = finished_run
+    checkpoints = checkpoint_dirs(out)
+    assert [path.name for path in checkpoints] == ["checkpoint-0000002", "checkpoint-0000004"]
+    for path in checkpoints:
+        listed = set(json.loads((path / MANIFEST_FILE).read_text())["files"])
+        assert listed == {file.name for file in path.iterdir()} - {MANIFEST_FILE}
+        assert checkpoint_problems(path) == []
+
+
+@pytest.mark.parametrize("name,damage", DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(finished_run, run_copy, caplog, name, damage):
+    config, out = run_copy
+    damage(checkpoint_dirs(out)[-1] / name)
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        finetune(config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("checkpoint-0000004" in message and name in message for message in warnings), warnings
+    reference = weights(finished_run[1])
+    resumed = weights(out)
+    for tensor_name in reference:
+        assert torch.equal(reference[tensor_name], resumed[tensor_name]), tensor_name
+    assert read_metrics(out / "metrics.jsonl") == read_metrics(finished_run[1] / "metrics.jsonl")
+
+
+def test_no_valid_checkpoint_is_a_clear_error(run_copy):
+    config, out = run_copy
+    for path in checkpoint_dirs(out):
+        truncate(path / "model.safetensors")
+    with pytest.raises(UserInputError, match=r"--resume: no checkpoint in .* is complete and intact"):
+        finetune(config)
+
+
+def forget_rng_states(checkpoint):
+    """A checkpoint that verifies but has no RNG states (as if written without them)."""
+    (checkpoint / "random_states_0.pkl").unlink()
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    del manifest["files"]["random_states_0.pkl"]
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_missing_rng_states_refuse_an_inexact_resume(run_copy, caplog):
+    config, out = run_copy
+    for checkpoint in checkpoint_dirs(out):
+        forget_rng_states(checkpoint)
+    with pytest.raises(InexactResumeError, match=r"random_states_0\.pkl is missing.*--allow-inexact-resume"):
+        finetune(config)
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        finetune(dataclasses.replace(config, allow_inexact_resume=True))
+    assert any("not exact" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_changed_training_data_is_noticed(tiny_models, tmp_path, caplog):
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(load_corpus()["train"]["text"][:40]))
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", dataset=str(data), **SETTINGS)
+    finetune(config)
+    shutil.rmtree(checkpoint_dirs(tmp_path / "out")[-1])  # as if killed after the first checkpoint
+    with data.open("a") as handle:
+        handle.write("\nA new paragraph of text that was not there when the run started.\n")
+    config = dataclasses.replace(config, resume=True)
+    with pytest.raises(InexactResumeError, match=r"the training data changed.*--allow-inexact-resume"):
+        finetune(config)
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        finetune(dataclasses.replace(config, allow_inexact_resume=True))
+    assert any("training data changed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    finetune(config)  # the checkpoints written since record the new data: resuming them is exact again
+
+
+def test_a_half_written_last_metrics_line_is_dropped(tmp_path, caplog):
+    logger = MetricsLogger(tmp_path)
+    for step in range(4):
+        logger.log(step, "finetune", loss=float(step))
+    logger.close()
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 4, "stage": "fine')
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        MetricsLogger(tmp_path, resume_from_step=3).close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert any("metrics.jsonl" in r.getMessage() and "half-written" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "sta\n{"step": 2}\n')
+    with pytest.raises(UserInputError, match=r"metrics\.jsonl:2 is not a JSON record"):
+        read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    arguments = ["--output-dir", str(out), "--model", tiny_models["llama"], "--block-size", "16", "--batch-size", "2"]
+    arguments += ["--max-eval-blocks", "4", "--transfer-steps", "0", "--finetune-steps", "3"]
+    arguments += ["--finetune-method", "full", "--lr", "1e30", "--save-every", "1", "--no-progress"]
+    assert main(["finetune", *arguments]) == 1
+    error = capsys.readouterr().err
+    match = re.search(r"finetune: error: Stage finetune: training diverged at step (\d) \((.*?)\)", error)
+    assert match, error
+    assert match.group(2) in ("the loss is nan", "the gradient norm is nan", "a trained parameter is not finite")
+    kept = checkpoint_dirs(out)
+    assert [path.name for path in kept] == [f"checkpoint-{step:07d}" for step in range(1, int(match.group(1)))]
+    assert f"last good checkpoint: {kept[-1].name}" in error
+    assert all(torch.isfinite(tensor).all() for tensor in weights(kept[-1]).values())
+    for name in ("model.safetensors", "config.json", "results.json", "README.md", "adapter"):
+        assert not (out / name).exists(), name

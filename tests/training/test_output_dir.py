@@ -1,0 +1,85 @@
+"""The output folder is checked before anything is written and locked while a run lasts."""
+
+import fcntl
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
+from hf_softmax_rnn.training.output_dir import LOCK_FILE, check_output_dir, claim_output_dir, read_marker
+from tests.training.helpers import tiny_config
+
+SHORT = dict(transfer_steps=2, finetune_steps=0)
+MAIN_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+
+
+def test_a_folder_of_other_files_is_refused_unless_overwrite(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserInputError, match=r"holds files that are not from a hf-softmax-rnn run \(notes\.txt\)"):
+        check_output_dir(tiny_config(tiny_models["llama"], out))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    config = tiny_config(tiny_models["llama"], out, overwrite=True, **SHORT)
+    finetune(config)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+
+
+def test_a_finished_run_needs_resume_or_overwrite(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", **SHORT)
+    finetune(config)
+    assert read_marker(tmp_path / "out")["finished"] is True
+    refusal = r"already holds checkpoints \(latest checkpoint-0000002; the run finished\)"
+    with pytest.raises(UserInputError, match=refusal):
+        check_output_dir(config)
+    old_checkpoint = checkpoint_dirs(tmp_path / "out")[-1]
+    (old_checkpoint / "stale").write_text("from the first run")
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "out", overwrite=True, **SHORT))
+    assert not (checkpoint_dirs(tmp_path / "out")[-1] / "stale").exists()
+
+
+@pytest.mark.parametrize("where", ["model", "model/out", "parent"], ids=["same", "inside", "contains"])
+def test_the_model_folder_is_refused_unless_overwrite(tmp_path, where):
+    model = tmp_path / "parent" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    out = {"model": model, "model/out": model / "out", "parent": tmp_path / "parent"}[where]
+    with pytest.raises(UserInputError, match=r"--model folder"):
+        check_output_dir(tiny_config(str(model), out))
+    check_output_dir(tiny_config(str(model), out, overwrite=True))
+
+
+def test_a_second_run_into_a_locked_folder_stops_at_once(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with (out / LOCK_FILE).open("w") as other_run:  # another process's lock, as far as flock can tell
+        other_run.write("pid 4242 on elsewhere\n")
+        other_run.flush()
+        fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        config = tiny_config(tiny_models["llama"], out)
+        with pytest.raises(UserInputError, match=r"is in use by another hf-softmax-rnn run \(pid 4242 on elsewhere\)"):
+            check_output_dir(config)
+        with pytest.raises(UserInputError, match=r"is in use by another hf-softmax-rnn run"):
+            claim_output_dir(config, MAIN_PROCESS)
+    claim = claim_output_dir(config, MAIN_PROCESS)
+    assert read_marker(out) == {"created_by": "hf_softmax_rnn", "version": "0.1.0", "finished": False}
+    claim.finish()
+    with (out / LOCK_FILE).open() as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
+    assert read_marker(out)["finished"] is True
+
+
+def test_cli_refuses_a_foreign_folder_before_writing(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".env").write_text("HF_TOKEN=secret")
+    assert main(["finetune", "--output-dir", str(out), "--model", tiny_models["llama"], "--no-progress"]) == 2
+    assert re.search(
+        r"error: --output-dir '.*out' holds files that are not from a hf-softmax-rnn run \(\.env\)",
+        capsys.readouterr().err,
+    )
+    assert sorted(p.name for p in out.iterdir()) == [".env"]

@@ -1,0 +1,132 @@
+"""The output folder: what is saved, what is uploaded, and that nothing in it names a local path."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from huggingface_hub.utils import filter_repo_objects
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_softmax_rnn import convert
+from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.training import finetune, outputs
+from hf_softmax_rnn.training.outputs import save_model
+from tests.training.helpers import tiny_config
+
+REMOTE_CODE_HEADER = "# Flat copy of hf_softmax_rnn.x for trust_remote_code loading, written by hf_softmax_rnn.hub.\n"
+
+
+def test_saved_tokenizer_config_names_no_custom_code_and_no_local_loading(tiny_models, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"], local_files_only=True)
+    model = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), "linear_elu")
+    save_model(model, tokenizer, tmp_path)
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert not {"auto_map", "is_local", "local_files_only"} & set(saved)
+    assert saved["eos_token"] == "<eos>"
+    assert AutoTokenizer.from_pretrained(tmp_path)("the").input_ids == tokenizer("the").input_ids
+
+
+def test_saving_registers_no_class_for_later_saves(tiny_models, tmp_path):
+    model = convert(AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]), "linear_elu")
+    save_model(model, AutoTokenizer.from_pretrained(tiny_models["gpt2"]), tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["auto_map"]
+    assert (tmp_path / "run" / "modeling_softmax_rnn_gpt2.py").is_file()
+    convert(AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]), "linear_elu").save_pretrained(tmp_path / "plain")
+    assert not list((tmp_path / "plain").glob("*.py"))
+
+
+class RecordingHfApi:
+    """Stands in for `HfApi`: records the upload instead of making it."""
+
+    uploads: list[dict] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return repo_id
+
+    def upload_folder(self, **kwargs):
+        self.uploads.append(kwargs)
+
+
+def run_folder(root):
+    """An output folder holding a run's files and things that must never be uploaded."""
+    files = {
+        "config.json": "{}",
+        "model.safetensors": "weights",
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "README.md": "card",
+        "metrics.jsonl": "",
+        "results.json": "{}",
+        "loss_curves.png": "png",
+        "modeling_softmax_rnn_llama.py": f"{REMOTE_CODE_HEADER}import torch\n",
+        "adapter/adapter_config.json": "{}",
+        "adapter/adapter_model.safetensors": "lora",
+        "adapter_base/config.json": "{}",
+        "adapter_base/model.safetensors": "weights",
+        "adapter_base/cache.py": f"{REMOTE_CODE_HEADER}X = 1\n",
+        # never uploaded:
+        ".env": "HF_TOKEN=secret",
+        "notes.txt": "mine",
+        "secrets.py": "TOKEN = 'x'\n",
+        "adapter/stray.txt": "mine",
+        "checkpoints/checkpoint-0000002/model.safetensors": "weights",
+        "checkpoints/checkpoint-0000002/config.json": "{}",
+        "runs/events.out.tfevents.1.host.123.0": "events",
+        "runs/config.json": "{}",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+
+
+def test_push_uploads_only_the_allow_list(tmp_path, monkeypatch):
+    every_file = run_folder(tmp_path)
+    monkeypatch.setattr(outputs, "HfApi", RecordingHfApi)
+    RecordingHfApi.uploads.clear()
+    run = SimpleNamespace(
+        config=SimpleNamespace(push_to_hub="someone/model", hub_private=False),
+        accelerator=SimpleNamespace(is_main_process=True),
+        output_dir=tmp_path,
+    )
+    outputs.publish(run)
+    (upload,) = RecordingHfApi.uploads
+    uploaded = set(
+        filter_repo_objects(
+            every_file, allow_patterns=upload.get("allow_patterns"), ignore_patterns=upload.get("ignore_patterns")
+        )
+    )
+    assert uploaded == {
+        "README.md",
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+        "adapter_base/cache.py",
+        "adapter_base/config.json",
+        "adapter_base/model.safetensors",
+        "config.json",
+        "loss_curves.png",
+        "metrics.jsonl",
+        "model.safetensors",
+        "modeling_softmax_rnn_llama.py",
+        "results.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+
+
+def test_card_and_results_name_no_local_absolute_path(tiny_models, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "texts.txt").write_text("\n".join(load_corpus()["train"]["text"]))
+    out = tmp_path / "runs" / "out"
+    config = tiny_config(
+        tiny_models["llama"], out, dataset=str(tmp_path / "data" / "texts.txt"), transfer_steps=1, finetune_steps=1
+    )
+    finetune(config)
+    for name in ("README.md", "results.json"):
+        text = (out / name).read_text()
+        assert str(tmp_path) not in text and tiny_models["llama"] not in text, name
+    results = json.loads((out / "results.json").read_text())["config"]
+    assert results["output_dir"] == "."
+    assert results["dataset"] == "../../data/texts.txt"
+    assert (out / results["model"]).resolve() == Path(tiny_models["llama"]).resolve()
+    assert "`../../data/texts.txt`" in (out / "README.md").read_text()
