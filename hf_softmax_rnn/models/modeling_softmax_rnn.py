@@ -62,13 +62,43 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """Always `ATTN_IMPLEMENTATION`: the attention layers compute their spec themselves."""
-        if requested_attention not in (None, ATTN_IMPLEMENTATION, "sdpa", "eager"):
+        if requested_attention not in (None, ATTN_IMPLEMENTATION, "sdpa"):
             logger.warning(
                 "%s ignores attn_implementation=%r: its layers compute their AttentionSpec with hf_softmax_rnn.ops",
                 type(self).__name__,
                 requested_attention,
             )
         return ATTN_IMPLEMENTATION
+
+    def _refuse_attention_weights(self, requested: bool | None) -> None:
+        if requested:
+            raise ValueError(
+                f"{type(self).__name__} does not return attention weights (output_attentions=True): its layers compute "
+                "their AttentionSpec without an attention matrix (recurrent layers have none); call it without "
+                "output_attentions"
+            )
+
+    def forward(self, *args, **kwargs):
+        """The transformers forward; `output_attentions=True` raises (no attention matrix exists to return)."""
+        self._refuse_attention_weights(kwargs.get("output_attentions"))
+        return super().forward(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """transformers' `generate`; refuses an empty prompt, attention weights and, for recurrent-state
+        layers, a static cache, each with a message instead of an error from deep inside."""
+        self._refuse_attention_weights(kwargs.get("output_attentions"))
+        prompt = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(prompt, torch.Tensor) and prompt.shape[-1] == 0:
+            raise ValueError("generate got an empty prompt (input_ids with 0 tokens); pass at least one token")
+        config = kwargs.get("generation_config") or self.generation_config
+        implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        if implementation not in (None, "dynamic") and self._is_stateful:
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by {type(self).__name__}: its "
+                f"recurrent-state layers ({RECURRENT_LAYER_TYPE}) live in the dynamic cache; leave "
+                "cache_implementation unset"
+            )
+        return super().generate(*args, **kwargs)
 
     @property
     def _is_stateful(self) -> bool:

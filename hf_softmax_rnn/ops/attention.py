@@ -192,6 +192,10 @@ def attention(
         key_mask = torch.ones(batch, key_len, dtype=torch.bool, device=q.device)
     else:
         key_mask = attention_mask[:, -key_len:].bool()
+        hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
+        k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    if length == 0:
+        return q.new_zeros(batch, heads, 0, value_dim), state if mode != "parallel" else None
 
     if spec.kind == "softmax":
         return softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale), None
@@ -202,9 +206,11 @@ def attention(
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
 
-    new_state = None
+    new_state, log_shift = None, None
     if mode == "parallel":
-        scores = parallel_scores(grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale)
+        scores, log_shift = parallel_scores(
+            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale
+        )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
@@ -228,6 +234,7 @@ def attention(
         spec,
         params,
         gates.get("output") if spec.output_gate else None,
+        None if log_shift is None else log_shift.reshape(batch, heads, length),
     )
     return out.to(out_dtype), new_state
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.attention_spec import DENOMINATOR_NORMALIZERS, AttentionSpec
 from hf_softmax_rnn.ops.chunked import Scratch
 from hf_softmax_rnn.ops.kernels import AttentionParams, ExpKernel, FeatureKernel
 from hf_softmax_rnn.ops.taylor import TaylorKernel
@@ -101,11 +101,17 @@ class HedgehogKernel(FeatureKernel):
         return HedgehogKernel(self.scale, *tensors, clamp=self.clamp)
 
 
+def _exp_shift(spec: AttentionSpec) -> str | None:
+    if spec.is_row_scale_invariant:
+        return "row_max"
+    return "positive_row_max" if spec.normalizer in DENOMINATOR_NORMALIZERS else None
+
+
 def build_kernel(spec: AttentionSpec, scale: float, params: AttentionParams) -> ExpKernel | FeatureKernel:
     """The kernel of `spec` with q.k scale `scale` and the learned tensors in `params`."""
     name, clamp = spec.effective_feature_map, spec.score_clamp
     if name is None:
-        return ExpKernel(scale, clamp, shift_rows=spec.is_row_scale_invariant)
+        return ExpKernel(scale, clamp, shift=_exp_shift(spec))
     if name == "taylor":
         return TaylorKernel(spec.taylor_order, scale, clamp)
     if name == "cosine":

@@ -43,24 +43,36 @@ class AttentionParams:
     linear_log_scale: torch.Tensor | None = None
 
 
+#: How exact exp is shifted per row: by the row max where the normaliser ignores a per-row factor,
+#: by max(row max, 0) where it clamps or pads the denominator in the scores' own units (the normaliser
+#: is told the shift), not at all where the result itself grows with exp (seqlen, none).
+EXP_SHIFTS = ("row_max", "positive_row_max", None)
+
+
 class ExpKernel:
-    """exp(min(x, clamp)) with x = scale * q.k, computed as exp(x - rowmax) when `shift_rows`."""
+    """exp(min(x, clamp)) with x = scale * q.k, divided per row by e^shift (see `EXP_SHIFTS`)."""
 
     has_features = False
 
-    def __init__(self, scale: float, clamp: float | None, shift_rows: bool) -> None:
-        self.scale, self.clamp, self.shift_rows = scale, clamp, shift_rows
+    def __init__(self, scale: float, clamp: float | None, shift: str | None) -> None:
+        self.scale, self.clamp, self.shift = scale, clamp, shift
 
-    def masked_scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Scores `[B, Hkv, G, Lq, Lk]`, zero where `visible` (broadcastable bool) is False."""
+    def masked_scores(
+        self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scores / e^shift `[B, Hkv, G, Lq, Lk]`, zero where `visible` (broadcastable bool) is
+        False; the shift `[B, Hkv, G, Lq]`, or None when not shifted)."""
         x = self.scale * grouped_matmul(q, k.mT)
         if self.clamp is not None:
             x = x.clamp_max(self.clamp)
         x = x.masked_fill(~visible, float("-inf"))
-        if self.shift_rows:
-            row_max = x.amax(-1, keepdim=True).detach()
-            x = x - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        return torch.exp(x)
+        if self.shift is None:
+            return torch.exp(x), None
+        row_max = x.amax(-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        if self.shift == "positive_row_max":
+            row_max = row_max.clamp_min(0.0)
+        return torch.exp(x - row_max), row_max.squeeze(-1)
 
 
 class FeatureKernel:
@@ -85,11 +97,12 @@ class FeatureKernel:
         """Unmasked, unclamped k(q_t, k_s) `[B, Hkv, G, Lq, Lk]`."""
         return grouped_matmul(self.query_features(q), self.key_features(k).mT)
 
-    def masked_scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def masked_scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """(scores, clamped and zero where not `visible`; None: never shifted)."""
         scores = self.scores(q, k)
         if self.clamp is not None:
             scores = scores.clamp_max(self.clamp)
-        return scores.masked_fill(~visible, 0.0)
+        return scores.masked_fill(~visible, 0.0), None
 
     def with_learned(self, *tensors: torch.Tensor) -> FeatureKernel:
         """The same kernel reading `tensors` in place of `self.learned` (autograd leaves)."""

@@ -47,23 +47,34 @@ def _per_position(t: torch.Tensor) -> torch.Tensor:
     return t.clamp_min(1).unsqueeze(-1)
 
 
-NormalizerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, AttentionParams], torch.Tensor]
+def _at_least_one(g: torch.Tensor, unit: torch.Tensor | None) -> torch.Tensor:
+    """max(G, 1), where `unit` is what 1 became when the scores were divided by e^shift."""
+    return g.clamp_min(1.0) if unit is None else torch.maximum(g, unit)
+
+
+def _plus_eps(g: torch.Tensor, unit: torch.Tensor | None) -> torch.Tensor:
+    return g + (DETACH_EPS if unit is None else DETACH_EPS * unit)
+
+
+NormalizerFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, AttentionParams, "torch.Tensor | None"], torch.Tensor
+]
 
 _NORMALIZERS: dict[str, NormalizerFn] = {
-    "softmax": lambda n, g, t, eps, p: n / _safe(g).unsqueeze(-1),
-    "l2": lambda n, g, t, eps, p: _l2(n, eps),
-    "rms": lambda n, g, t, eps, p: _rms(n, eps, p),
-    "layer": lambda n, g, t, eps, p: _layer(n, eps, p),
-    "seqlen": lambda n, g, t, eps, p: n / _per_position(t),
-    "seqlen_rms": lambda n, g, t, eps, p: _rms(n / _per_position(t), eps, p),
-    "seqlen_layer": lambda n, g, t, eps, p: _layer(n / _per_position(t), eps, p),
-    "seqlen_pow": lambda n, g, t, eps, p: (
+    "softmax": lambda n, g, t, eps, p, u: n / _safe(g).unsqueeze(-1),
+    "l2": lambda n, g, t, eps, p, u: _l2(n, eps),
+    "rms": lambda n, g, t, eps, p, u: _rms(n, eps, p),
+    "layer": lambda n, g, t, eps, p, u: _layer(n, eps, p),
+    "seqlen": lambda n, g, t, eps, p, u: n / _per_position(t),
+    "seqlen_rms": lambda n, g, t, eps, p, u: _rms(n / _per_position(t), eps, p),
+    "seqlen_layer": lambda n, g, t, eps, p, u: _layer(n / _per_position(t), eps, p),
+    "seqlen_pow": lambda n, g, t, eps, p, u: (
         n / _per_position(t).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None])
     ),
-    "clamp": lambda n, g, t, eps, p: n / g.clamp_min(1.0).unsqueeze(-1),
-    "detach": lambda n, g, t, eps, p: n / g.detach().clamp_min(1.0).unsqueeze(-1),
-    "detach_eps": lambda n, g, t, eps, p: n / (g.detach() + DETACH_EPS).unsqueeze(-1),
-    "none": lambda n, g, t, eps, p: n,
+    "clamp": lambda n, g, t, eps, p, u: n / _at_least_one(g, u).unsqueeze(-1),
+    "detach": lambda n, g, t, eps, p, u: n / _at_least_one(g.detach(), u).unsqueeze(-1),
+    "detach_eps": lambda n, g, t, eps, p, u: n / _plus_eps(g.detach(), u).unsqueeze(-1),
+    "none": lambda n, g, t, eps, p, u: n,
 }
 
 
@@ -74,15 +85,20 @@ def normalize(
     spec: AttentionSpec,
     params: AttentionParams,
     output_gate: torch.Tensor | None = None,
+    log_shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply the spec's normaliser, and its output gate `[B, H, L]` before or after it.
 
     numerator `[B, H, L, Dv]`, denominator `[B, H, L]`, visible `[B, 1, L]` -> `[B, H, L, Dv]`.
+    `log_shift` `[B, H, L]`: the scores were divided by e^log_shift (so that exp cannot overflow);
+    the clamp and eps of the denominator normalisers are divided alike.
     """
+    unit = None if log_shift is None else torch.exp(-log_shift).to(denominator.dtype)
     if output_gate is not None and spec.output_gate_position == "before_norm":
         gate = output_gate.unsqueeze(-1).to(numerator.dtype)
         numerator, denominator = numerator * gate, denominator * output_gate.to(denominator.dtype)
-    out = _NORMALIZERS[spec.normalizer](numerator, denominator, visible.to(numerator.dtype), spec.norm_eps, params)
+    normalizer = _NORMALIZERS[spec.normalizer]
+    out = normalizer(numerator, denominator, visible.to(numerator.dtype), spec.norm_eps, params, unit)
     if output_gate is not None and spec.output_gate_position == "after_norm":
         out = out * output_gate.unsqueeze(-1).to(out.dtype)
     return out

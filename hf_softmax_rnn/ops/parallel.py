@@ -36,8 +36,9 @@ def parallel_scores(
     window: int | None = None,
     window_scale: float | None = None,
     linear_log_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
+    log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None).
 
     With a `window`, the last `window` positions are scored with exp(`window_scale` q.k) and
     older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
@@ -51,4 +52,4 @@ def parallel_scores(
     row_max = x.amax(-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
-    return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1])
+    return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1]), None

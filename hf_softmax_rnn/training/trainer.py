@@ -331,7 +331,7 @@ class Finetuner:
         )
 
     def _record_layer_mse(self, model: nn.Module, point: str) -> None:
-        """Held-out per-layer transfer MSE (main process, its share of the blocks) into the output folder."""
+        """Held-out per-layer transfer MSE of every held-out block (main process only) into the output folder."""
         if self.accelerator.is_main_process:
             values = heldout_layer_mse(model, self.eval_ids, self.config.eval_batch_size)
             record_layer_mse(self.output_dir, point, values)

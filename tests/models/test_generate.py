@@ -198,3 +198,31 @@ def test_window_state_is_constant_in_size(family):
     kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
     state = spec.state_bytes(HEAD_DIM) * kv_heads + 3  # + window validity flags (bool)
     assert sizes[1] == sizes[8] == 2 * ids.shape[0] * (state + 8)  # 2 layers; + int64 t per row
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(cache_implementation="static"), "cache_implementation='static' is not supported"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "does not return attention weights"),
+        (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), "empty prompt"),
+    ],
+    ids=["static-cache", "attention-weights", "empty-prompt"],
+)
+def test_generate_refuses_what_it_cannot_do_with_a_message(family, settings, message):
+    model = tiny_model(family, "linear_elu")
+    ids, mask = left_padded_batch()
+    inputs = {"input_ids": ids, "attention_mask": mask} if "input_ids" not in settings else {}
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, **settings, max_new_tokens=2)
+
+
+def test_forward_refuses_output_attentions_and_warns_on_eager(family, caplog, tmp_path):
+    model = tiny_model(family, "linear_elu")
+    ids, _ = left_padded_batch()
+    with pytest.raises(ValueError, match="does not return attention weights"):
+        model(input_ids=ids, output_attentions=True)
+    model.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        type(model).from_pretrained(tmp_path, attn_implementation="eager")
+    assert "ignores attn_implementation='eager'" in caplog.text
