@@ -77,6 +77,17 @@ def _default_max_length(model) -> int:
 
 
 @torch.inference_mode()
+def next_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (nats, float64) of each next token: the logits at position t `[B, L, V]`
+    predict `targets[:, t + 1]` `[B, L]` (-100 = not scored) -> `[B, L - 1]`, 0 where not scored.
+    Every evaluator of the package (fine-tuning, ablation, perplexity) scores with this one function."""
+    following = targets[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).double(), following.flatten(), ignore_index=-100, reduction="none"
+    )
+    return nll.view_as(following)
+
+
 def stream_nll(
     model,
     input_ids: Sequence[int] | torch.Tensor,
@@ -117,12 +128,8 @@ def stream_nll(
                 mask[row, :n] = 1
                 labels[row, w.score_from - w.begin : n] = ids[w.score_from : w.end]
             logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device), use_cache=False).logits
-            targets = labels[:, 1:].to(device)
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).double(), targets.flatten(), ignore_index=-100, reduction="sum"
-            )
-            total_nll += nll.item()
-            total_tokens += int((targets != -100).sum())
+            total_nll += next_token_nll(logits, labels.to(device)).sum().item()
+            total_tokens += int((labels[:, 1:] != -100).sum())
     finally:
         model.train(was_training)
     return total_nll, total_tokens

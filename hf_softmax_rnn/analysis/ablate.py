@@ -33,6 +33,7 @@ from hf_softmax_rnn.analysis.small_models import (
     train_steps,
 )
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.evaluation import next_token_nll
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,7 @@ def held_out_loss(model, blocks: torch.Tensor, *, batch_size: int) -> float:
     total, count = 0.0, 0
     for start in range(0, blocks.shape[0], batch_size):
         ids = blocks[start : start + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        total += next_token_nll(model(input_ids=ids, use_cache=False).logits, ids).sum().item()
         count += ids[:, 1:].numel()
     model.train(was_training)
     return total / count

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
 from torch import nn
@@ -30,6 +29,7 @@ from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
+from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import student_outputs
 from hf_softmax_rnn.training.checkpointing import (
     TRAINER_STATE_FILE,
@@ -86,9 +86,8 @@ def heldout_metrics(
     for start in tqdm(range(0, per_process, batch_size), desc="held-out", leave=False, disable=not progress):
         ids = blocks[rows[start : start + batch_size]].to(accelerator.device)
         weight = weights[start : start + batch_size].to(accelerator.device)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(len(ids), -1)
-        totals += torch.stack([(nll.sum(1).double() * weight).sum(), weight.sum() * (ids.shape[1] - 1)])
+        nll = next_token_nll(model(input_ids=ids, use_cache=False).logits, ids)
+        totals += torch.stack([(nll.sum(1) * weight).sum(), weight.sum() * (ids.shape[1] - 1)])
     totals = accelerator.reduce(totals, "sum")
     model.train(was_training)
     loss = (totals[0] / totals[1]).item()
