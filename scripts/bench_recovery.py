@@ -45,6 +45,7 @@ ROWS = {
     "gated_softmax_no_gate_L2norm_nodivS_noclamp": "gated_softmax_no_gate_L2norm_nodivS_noclamp",
 }
 POINTS = ("converted", "transfer", "finetune")
+POINT_LABELS = {"converted": "after conversion", "transfer": "after transfer", "finetune": "after LoRA"}
 PROMPT = "The for statement in Python"
 
 
@@ -184,7 +185,7 @@ def plot(records: list[dict], path: Path) -> None:
     width = 0.27
     for offset, point in enumerate(POINTS):
         values = [r["points"].get(point, {}).get("perplexity", math.nan) for r in records]
-        axis.bar([i + (offset - 1) * width for i in range(len(records))], values, width, label=f"after {point}")
+        axis.bar([i + (offset - 1) * width for i in range(len(records))], values, width, label=POINT_LABELS[point])
     base = next((r["points"]["converted"]["perplexity"] for r in records if r["row"] == "base"), None)
     if base:
         axis.axhline(base, color="black", linestyle="--", linewidth=1, label="unconverted")

@@ -52,6 +52,10 @@ def padding_mask(
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
 
 
+def _refuse_attention_weights_hook(model, args, kwargs) -> None:
+    model._refuse_attention_weights(kwargs.get("output_attentions"))
+
+
 class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
     """Mixin for the softmax_rnn `PreTrainedModel` classes (put it first among the bases)."""
 
@@ -78,10 +82,13 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
                 "output_attentions"
             )
 
-    def forward(self, *args, **kwargs):
-        """The transformers forward; `output_attentions=True` raises (no attention matrix exists to return)."""
-        self._refuse_attention_weights(kwargs.get("output_attentions"))
-        return super().forward(*args, **kwargs)
+    def post_init(self) -> None:
+        """transformers' `post_init`, plus a check before each forward (the forward keeps its
+        signature, which `generate` reads): `output_attentions=True` raises."""
+        super().post_init()
+        if not getattr(self, "_refuses_attention_weights", False):
+            self.register_forward_pre_hook(_refuse_attention_weights_hook, with_kwargs=True)
+            self._refuses_attention_weights = True
 
     def generate(self, *args, **kwargs):
         """transformers' `generate`; refuses an empty prompt, attention weights and, for recurrent-state
