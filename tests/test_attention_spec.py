@@ -70,3 +70,37 @@ def test_odd_taylor_order_with_denominator_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AttentionSpec(kind="recurrent_softmax", taylor_order=3, normalizer="l2")
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        (dict(kind="softmax", window=3), ValueError, "plain sliding-window attention is not offered"),
+        (dict(kind="recurrent_softmax", normalizer="l2", window=3), ValueError, "plain sliding-window"),
+        (
+            dict(kind="linear", feature_map="elu", window=0),
+            ValueError,
+            r"window=0 is not allowed; expected None or an int >= 1",
+        ),
+        (dict(kind="linear", feature_map="elu", window=True), TypeError, "window=True has type bool"),
+        (dict(kind="linear", feature_map="elu", window=2.5), TypeError, "window=2.5 has type float"),
+        (
+            dict(kind="linear", feature_map="elu", window=4, normalizer="seqlen"),
+            ValueError,
+            "normalizer='seqlen' is not allowed with window=4",
+        ),
+        (dict(kind="linear", feature_map="elu", input_gate="false"), TypeError, "input_gate='false' has type str"),
+        (dict(kind="linear", feature_map="elu", chunk_size=8.0), TypeError, "chunk_size=8.0 has type float"),
+    ],
+    ids=["softmax", "exact-exp", "zero", "bool", "float", "non-invariant-norm", "string-bool", "float-int"],
+)
+def test_window_and_field_types_are_validated(fields, error, message):
+    with pytest.raises(error, match=message):
+        AttentionSpec(**fields)
+
+
+def test_window_presets_describe_and_size_their_state():
+    spec = AttentionSpec.from_preset("hedgehog_window_64")
+    assert "exact exp over the last 64 positions" in spec.describe()
+    assert spec.state_bytes(64) == (128 * 65 + 64 * (64 + 65)) * 4
+    assert AttentionSpec.from_dict(spec.to_dict()) == spec
