@@ -49,10 +49,15 @@ class AttentionParams:
 EXP_SHIFTS = ("row_max", "positive_row_max", None)
 
 
+def row_shift(x: torch.Tensor) -> torch.Tensor:
+    """The detached row max of masked log-scores `x` (`-inf` where masked) `[..., 1]`; 0 for a row
+    with nothing visible, so that exp(x - shift) never overflows and never gives NaN."""
+    row_max = x.amax(-1, keepdim=True).detach()
+    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+
 class ExpKernel:
     """exp(min(x, clamp)) with x = scale * q.k, divided per row by e^shift (see `EXP_SHIFTS`)."""
-
-    has_features = False
 
     def __init__(self, scale: float, clamp: float | None, shift: str | None) -> None:
         self.scale, self.clamp, self.shift = scale, clamp, shift
@@ -68,8 +73,7 @@ class ExpKernel:
         x = x.masked_fill(~visible, float("-inf"))
         if self.shift is None:
             return torch.exp(x), None
-        row_max = x.amax(-1, keepdim=True).detach()
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        row_max = row_shift(x)
         if self.shift == "positive_row_max":
             row_max = row_max.clamp_min(0.0)
         return torch.exp(x - row_max), row_max.squeeze(-1)
@@ -78,7 +82,6 @@ class ExpKernel:
 class FeatureKernel:
     """k(q, s) = phi(q).phi(s) with the scale folded into the query side (subclasses say how)."""
 
-    has_features = True
     hand_written = False
     learned: tuple[torch.Tensor, ...] = ()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel
+from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
 
@@ -49,7 +49,6 @@ def parallel_scores(
         return kernel.masked_scores(q, k, visible)
     near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
     x = (window_scale * grouped_matmul(q, k.mT)).masked_fill(~near, float("-inf"))
-    row_max = x.amax(-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = row_shift(x)
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
     return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1]), None

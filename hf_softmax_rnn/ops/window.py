@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_softmax_rnn.ops.kernels import row_shift
+
 
 def banded_exp_attention(
     q: torch.Tensor,
@@ -54,8 +56,7 @@ def banded_exp_attention(
     cols = torch.arange(span, device=q.device)[None, :]
     visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, None, :, None, :]
     x = (scale * (q @ key_blocks.unsqueeze(2))).masked_fill(~visible, float("-inf"))
-    row_max = x.amax(-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = row_shift(x)
     numerator = torch.exp(x - row_max) @ value_blocks.unsqueeze(2).mT
     numerator = numerator.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
     return numerator, row_max.reshape(batch, kv_heads, groups, blocks * block, 1)[..., :length, :]
