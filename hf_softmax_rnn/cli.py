@@ -1,10 +1,11 @@
 """`hf-softmax-rnn` console script: one subcommand per job, each in its own module.
 
-A subcommand module defines `add_arguments(parser)` and `run(args) -> str | None`, which
-returns its report (printed here, exit status 0); it is imported only when its subcommand
-runs, so `--help` stays fast. Bad input (`UserInputError`, or an `OSError` such as a missing
-file) ends with exit status 2 and a one-line message, a `CommandError` with its own status;
-other exceptions are bugs and propagate with their traceback.
+A subcommand module defines `add_arguments(parser)` (its flags, built from the fields of
+its settings dataclasses, which hold each flag's help: `commands/arguments.py`) and
+`run(args) -> str | None`, which returns its report (printed here, exit status 0); it is
+imported only when its subcommand runs, so `--help` stays fast. Bad input (`UserInputError`,
+or an `OSError` such as a missing file) ends with exit status 2 and a one-line message, a
+`CommandError` with its own status; other exceptions are bugs and propagate with their traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
+from hf_softmax_rnn.commands.arguments import DefaultsFormatter
 from hf_softmax_rnn.errors import CommandError, UserInputError
 
 logger = logging.getLogger(__name__)
@@ -37,7 +40,12 @@ REPORTED_ERRORS = (UserInputError, CommandError, OSError)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-softmax-rnn", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (DEBUG also shows the traceback of a reported error; default: INFO)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text, add_help=False)
@@ -45,12 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
+    """The parser of subcommand `name` (its flags from the module's `add_arguments`) and the module."""
+    module_name, description = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"hf-softmax-rnn {name}", description=description, formatter_class=DefaultsFormatter
+    )
+    module.add_arguments(parser)
+    return parser, module
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     known, _ = parser.parse_known_args(argv)
-    module = importlib.import_module(known.module_name)
-    sub = argparse.ArgumentParser(prog=f"hf-softmax-rnn {known.command}", description=SUBCOMMANDS[known.command][1])
-    module.add_arguments(sub)
+    sub, module = subcommand_parser(known.command)
     argv = sys.argv[1:] if argv is None else argv
     args = sub.parse_args(argv[argv.index(known.command) + 1 :])
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -78,13 +78,19 @@ EXPERIMENTS = {
 }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), default=list(EXPERIMENTS))
+    parser.add_argument(
+        "--only", nargs="+", choices=list(EXPERIMENTS), default=list(EXPERIMENTS), help="experiments to run"
+    )
     parser.add_argument("--quick", action="store_true", help="CI size; figures are not copied to docs/figures")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/reproduce"))
-    args = parser.parse_args()
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/reproduce"), help="folder of the runs")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     for name in args.only:
         full, quick, figures = EXPERIMENTS[name]
         output = args.output_dir / name

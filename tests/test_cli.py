@@ -1,6 +1,8 @@
 """The console script: bad input is one line and exit status 2, bugs keep their traceback."""
 
+import argparse
 import ast
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -68,3 +70,76 @@ def test_library_modules_do_not_import_the_cli():
             if isinstance(node, ast.ImportFrom) and node.module == "hf_softmax_rnn.cli":
                 importers.append(str(path.relative_to(package)))
     assert importers == []
+
+
+def option_classes() -> dict[str, tuple[type, ...]]:
+    """The dataclasses whose fields are the flags of each subcommand."""
+    from hf_softmax_rnn.analysis import ablate, mqar_train, taylor_terms
+    from hf_softmax_rnn.commands import demo
+    from hf_softmax_rnn.training.config import FinetuneConfig
+
+    return {
+        "demo": (demo.DemoOptions,),
+        "finetune": (FinetuneConfig,),
+        "mqar": (mqar_train.MQARSweep, mqar_train.MQARRun),
+        "taylor-terms": (taylor_terms.TaylorTermsOptions,),
+        "ablate": (ablate.AblateOptions, ablate.AblationBudget),
+    }
+
+
+def test_every_flag_has_the_help_of_its_dataclass_field():
+    classes = option_classes()
+    assert set(classes) == set(cli.SUBCOMMANDS)
+    for name, owners in classes.items():
+        parser, _ = cli.subcommand_parser(name)
+        fields = {field.name: field for owner in owners for field in dataclasses.fields(owner)}
+        actions = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+        assert sorted(action.dest for action in actions) == sorted(fields), name
+        for action in actions:
+            assert action.help and action.help.strip(), f"{name} {action.option_strings}: no help"
+            assert action.help == fields[action.dest].metadata["help"], f"{name} {action.option_strings}"
+        text = parser.format_help()
+        assert all(" ".join(action.help.split()[:3]) in " ".join(text.split()) for action in actions), name
+
+
+def test_flags_keep_their_names_and_defaults():
+    parser, _ = cli.subcommand_parser("finetune")
+    args = parser.parse_args(["--output-dir", "out", "--no-transfer-teacher-forcing", "--no-progress"])
+    assert (args.transfer_teacher_forcing, args.progress, args.lr, args.block_size) == (False, False, None, 256)
+    assert parser.parse_args(["--output-dir", "o", "--layers", "0", "2"]).layers == [0, 2]
+    parser, _ = cli.subcommand_parser("mqar")
+    args = parser.parse_args([])
+    assert (args.num_kv_pairs, args.steps, args.weight_decay, args.no_progress) == ([4, 8, 16], 3000, 0.1, False)
+    assert args.output_dir == Path("runs/mqar")
+    parser, _ = cli.subcommand_parser("ablate")
+    args = parser.parse_args(["--seeds", "3", "4"])
+    assert (args.seeds, args.steps, args.quick) == ([3, 4], None, False)  # None: the (quick) budget's value
+    parser, _ = cli.subcommand_parser("taylor-terms")
+    args = parser.parse_args(["my_model", "--truncation-orders"])
+    assert (args.model, args.truncation_orders, args.dtype) == ("my_model", [], "float32")
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["finetune", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens per packed block (default: 256)" in text
+    assert "optimizer steps (0 skips the stage) (default: the attention's recipe)" in text
+    parser, _ = cli.subcommand_parser("ablate")
+    assert "model width (default: 64; --quick: 32)" in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["mqar", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["taylor-terms", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["finetune", "--attention-mode", "serial"], "argument --attention-mode: invalid choice: 'serial'"),
+    ],
+)
+def test_bad_flag_values_are_one_line_with_status_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.analysis.small_models import (
+    DEVICE_HELP,
+    THREADS_HELP,
     batches,
     check_at_least,
     check_positive,
@@ -32,8 +34,10 @@ from hf_softmax_rnn.analysis.small_models import (
     small_llama,
     train_steps,
 )
+from hf_softmax_rnn.commands.arguments import SHOWN_DEFAULT, add_dataclass_arguments, option
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import next_token_nll
+from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +68,19 @@ VARIANTS: dict[str, tuple[str, str | dict]] = {
 class AblationBudget:
     """Model size and training budget, identical for every variant (each field is the `ablate` flag of that name)."""
 
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    seq_len: int = 128
-    batch_size: int = 16
-    steps: int = 300
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 50
-    eval_every: int = 50
-    eval_blocks: int = 64
-    test_blocks: int | None = None  # held-out blocks of the final loss; None = all
-    seeds: tuple[int, ...] = (0, 1)
+    d_model: int = option(64, "model width")
+    num_layers: int = option(2, "decoder layers")
+    num_heads: int = option(2, "attention heads (must divide --d-model)")
+    seq_len: int = option(128, "bytes per training and held-out block")
+    batch_size: int = option(16, "blocks per optimizer step")
+    steps: int = option(300, "optimizer steps per run")
+    lr: float = option(3e-3, "peak AdamW learning rate")
+    weight_decay: float = option(0.1, WEIGHT_DECAY_HELP)
+    warmup_steps: int = option(50, "linear learning-rate warm-up steps (then cosine decay)")
+    eval_every: int = option(50, "held-out loss every N steps (and at the end)")
+    eval_blocks: int = option(64, "held-out blocks scored for the loss curve")
+    test_blocks: int | None = option(None, "held-out blocks scored for the final loss")
+    seeds: tuple[int, ...] = option((0, 1), "one run per seed")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "batch_size", "steps", "eval_every", "eval_blocks", "test_blocks"):
@@ -103,6 +107,21 @@ QUICK_BUDGET = AblationBudget(
     test_blocks=8,
     seeds=(0,),
 )
+
+
+@dataclass(frozen=True)
+class AblateOptions:
+    """What `ablate` trains and where (each field is the flag of the same name; the sizes are `AblationBudget`)."""
+
+    variants: list[str] = option(
+        list(VARIANTS), f"names from {list(VARIANTS)} or preset names", shown_default="every variant"
+    )
+    quick: bool = option(False, "CI size: tiny model, a few steps, one seed")
+    dataset: str | None = option(None, "corpus for load_corpus (default: the offline pydoc corpus)")
+    device: str = option("auto", DEVICE_HELP)
+    threads: int | None = option(None, THREADS_HELP)
+    output_dir: Path = option(Path("runs/ablate"), "folder for the tables and plot")
+    no_progress: bool = option(False, "no progress bars")
 
 
 @dataclass
@@ -289,41 +308,19 @@ def plot_curves(runs: list[AblationRun], path: Path, title: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------- CLI
-#: Help of the flags that set `AblationBudget` fields.
-BUDGET_FLAGS_HELP = {
-    "d_model": "model width",
-    "num_layers": "decoder layers",
-    "num_heads": "attention heads (must divide --d-model)",
-    "seq_len": "bytes per training and held-out block",
-    "batch_size": "blocks per optimizer step",
-    "steps": "optimizer steps per run",
-    "warmup_steps": "linear learning-rate warm-up steps (then cosine decay)",
-    "eval_every": "held-out loss every N steps (and at the end)",
-    "eval_blocks": "held-out blocks scored for the loss curve",
-    "test_blocks": "held-out blocks scored for the final loss",
-    "lr": "peak AdamW learning rate",
-    "weight_decay": "AdamW weight decay of linear and embedding weights",
-}
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), help=f"names from {list(VARIANTS)} or preset names"
-    )
-    parser.add_argument("--quick", action="store_true", help="CI size: tiny model, a few steps, one seed")
-    parser.add_argument("--dataset", default=None, help="corpus for load_corpus (default: the offline pydoc corpus)")
-    defaults = AblationBudget()
-    for name, help_text in BUDGET_FLAGS_HELP.items():
-        kind = float if isinstance(getattr(defaults, name), float) else int
-        default = "all" if getattr(defaults, name) is None else getattr(defaults, name)
-        help_text = f"{help_text} (default {default}; --quick: smaller)"
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=help_text)
-    seeds_help = f"one run per seed (default {list(defaults.seeds)})"
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=seeds_help)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/ablate"), help="folder for the tables and plot")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    """The flags of `AblateOptions` and `AblationBudget`; a size flag left out takes the default or the
+    `--quick` budget's value (both shown in `--help`)."""
+    add_dataclass_arguments(parser, AblateOptions)
+    sizes = add_dataclass_arguments(parser, AblationBudget, defaults={name: None for name in asdict(QUICK_BUDGET)})
+    default, quick = asdict(AblationBudget()), asdict(QUICK_BUDGET)
+    for action in sizes:
+        setattr(action, SHOWN_DEFAULT, f"{_shown(default[action.dest])}; --quick: {_shown(quick[action.dest])}")
+
+
+def _shown(value):
+    """A budget value as `--help` shows it."""
+    return "all" if value is None else list(value) if isinstance(value, tuple) else value
 
 
 def budget_from_args(args) -> AblationBudget:

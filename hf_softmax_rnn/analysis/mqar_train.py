@@ -13,7 +13,7 @@ import csv
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.analysis.small_models import (
+    DEVICE_HELP,
+    THREADS_HELP,
     batches,
     check_at_least,
     check_positive,
@@ -32,8 +34,10 @@ from hf_softmax_rnn.analysis.small_models import (
     small_llama,
     train_steps,
 )
+from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.data.mqar import IGNORE_INDEX, MQARConfig, mqar_splits
 from hf_softmax_rnn.errors import UserInputError, user_input_checks
+from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +54,18 @@ DEFAULT_SPECS = (
 class MQARRun:
     """Training budget and model shape of one MQAR run (each field is the `mqar` flag of the same name)."""
 
-    steps: int = 3000
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 150
-    num_train: int = 100_000
-    num_test: int = 1000
-    eval_every: int = 250
-    target_accuracy: float | None = 0.99
-    num_layers: int = 2
-    num_heads: int = 2
-    seed: int = 0
+    steps: int = option(3000, "optimizer steps per model (fewer when --target-accuracy is reached)")
+    batch_size: int = option(64, "sequences per optimizer step")
+    lr: float = option(3e-3, "peak AdamW learning rate")
+    weight_decay: float = option(0.1, WEIGHT_DECAY_HELP)
+    warmup_steps: int = option(150, "linear learning-rate warm-up steps (then cosine decay)")
+    num_train: int = option(100_000, "training sequences generated per task")
+    num_test: int = option(1000, "held-out sequences generated per task")
+    eval_every: int = option(250, "held-out accuracy every N steps (and at the end)")
+    target_accuracy: float | None = option(0.99, "stop a run early once reached")
+    num_layers: int = option(2, "decoder layers of each model")
+    num_heads: int = option(2, "attention heads of each model (must divide every --d-model)")
+    seed: int = option(0, "seed of the data, the initialisation and the batch order")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "num_train", "num_test", "eval_every", "num_layers", "num_heads"):
@@ -75,6 +79,22 @@ class MQARRun:
             raise UserInputError(
                 f"--target-accuracy={self.target_accuracy!r} is not allowed; expected a number in (0, 1]"
             )
+
+
+@dataclass(frozen=True)
+class MQARSweep:
+    """What `mqar` compares and where it runs (each field is the flag of the same name)."""
+
+    attention: list[str] = option(list(DEFAULT_SPECS), "attention presets to compare")
+    d_model: list[int] = option([64], "model widths (state size grows with it)")
+    num_kv_pairs: list[int] = option([4, 8, 16], "K values, one model per K")
+    seq_len: int = option(64, "tokens per sequence (>= 4 K)")
+    vocab_size: int = option(256, "Zoology uses 8192; a small vocab trains faster on CPU")
+    power_a: float = option(0.01, "a > 0: query slot i has weight (i+1)^(a-1); small a favours short gaps")
+    device: str = option("auto", DEVICE_HELP)
+    threads: int | None = option(None, THREADS_HELP)
+    output_dir: Path = option(Path("runs/mqar"), "folder for the results and plots")
+    no_progress: bool = option(False, "no progress bars")
 
 
 @dataclass
@@ -261,44 +281,10 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------- CLI
-#: Help of the integer and float flags that set `MQARRun` fields.
-RUN_FLAGS_HELP = {
-    "steps": "optimizer steps per model (fewer when --target-accuracy is reached)",
-    "batch_size": "sequences per optimizer step",
-    "warmup_steps": "linear learning-rate warm-up steps (then cosine decay)",
-    "num_train": "training sequences generated per task",
-    "num_test": "held-out sequences generated per task",
-    "eval_every": "held-out accuracy every N steps (and at the end)",
-    "num_layers": "decoder layers of each model",
-    "num_heads": "attention heads of each model (must divide every --d-model)",
-    "seed": "seed of the data, the initialisation and the batch order",
-    "lr": "peak AdamW learning rate",
-    "weight_decay": "AdamW weight decay of linear and embedding weights",
-}
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument("--attention", nargs="+", default=list(DEFAULT_SPECS), help="attention presets to compare")
-    parser.add_argument("--d-model", type=int, nargs="+", default=[64], help="model widths (state size grows with it)")
-    parser.add_argument("--num-kv-pairs", type=int, nargs="+", default=[4, 8, 16], help="K values, one model per K")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (>= 4 K)")
-    parser.add_argument(
-        "--vocab-size", type=int, default=256, help="Zoology uses 8192; a small vocab trains faster on CPU"
-    )
-    power_help = "a > 0: query slot i has weight (i+1)^(a-1); small a favours short gaps"
-    parser.add_argument("--power-a", type=float, default=0.01, help=power_help)
-    defaults = MQARRun()
-    for name, help_text in RUN_FLAGS_HELP.items():
-        kind = float if isinstance(getattr(defaults, name), float) else int
-        flag, default = f"--{name.replace('_', '-')}", getattr(defaults, name)
-        parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)")
-    parser.add_argument(
-        "--target-accuracy", type=float, default=defaults.target_accuracy, help="stop a run early once reached"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/mqar"), help="folder for the results and plots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    """The flags of `MQARSweep` and `MQARRun`."""
+    add_dataclass_arguments(parser, MQARSweep)
+    add_dataclass_arguments(parser, MQARRun)
 
 
 def _tasks(args) -> list[MQARConfig]:
@@ -316,7 +302,7 @@ def _tasks(args) -> list[MQARConfig]:
 
 def run(args) -> str:
     set_threads(args.threads)
-    budget = MQARRun(**{name: getattr(args, name) for name in (*RUN_FLAGS_HELP, "target_accuracy")})
+    budget = MQARRun(**{field.name: getattr(args, field.name) for field in fields(MQARRun)})
     tasks = _tasks(args)
     device = resolve_device(args.device)
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training.optim import weight_decay_groups
+
+#: Help of the flags that every experiment shares.
+DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
+THREADS_HELP = "torch CPU threads (default: torch's choice)"
 
 
 def check_at_least(flag: str, value: float | None, minimum: int = 1) -> None:
@@ -118,19 +123,9 @@ def scored_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.T
 
 
 def optimizer_and_schedule(model, *, lr: float, weight_decay: float, warmup_steps: int, steps: int):
-    """AdamW with weight decay on the weights of linear and embedding layers only (not on norm
-    weights, biases or other 1-D/normaliser parameters), linear warmup and cosine decay."""
-    decayed = {
-        id(module.weight)
-        for module in model.modules()
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight.requires_grad
-    }
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if id(p) in decayed], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if id(p) not in decayed], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    """AdamW with the package's weight-decay rule (`training.optim.weight_decay_groups`), linear warmup
+    and cosine decay."""
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=(0.9, 0.98))
     return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps, steps)
 
 

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.errors import UserInputError
 
 logger = logging.getLogger(__name__)
@@ -234,30 +235,30 @@ def plot_truncation(results: dict[str, float], path: Path, title: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------- CLI
+@dataclass(frozen=True)
+class TaylorTermsOptions:
+    """The flags of `taylor-terms` (each field is the flag of the same name; `model` is positional)."""
+
+    model: str = option(
+        "default", '"default" (embedded model), a local directory or a Hub id', positional=True, nargs="?"
+    )
+    dataset: str | None = option(None, "corpus for load_corpus (default: the offline pydoc corpus)")
+    split: str = option("test", "split of the corpus to score", choices=["train", "test"])
+    block_size: int = option(256, "tokens per sequence")
+    num_blocks: int = option(8, "sequences scored (the first N blocks of the split)")
+    batch_size: int = option(1, "sequences per forward pass")
+    max_order: int = option(100, "highest Taylor order n measured")
+    truncation_orders: list[int] = option([], "also measure perplexity with exp truncated at these orders", nargs="*")
+    truncation_tokens: int = option(1024, "tokens of held-out text for --truncation-orders")
+    dtype: str = option("float32", "float64 for --truncation-orders", choices=sorted(_DTYPES))
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
+    output_dir: Path = option(Path("runs/taylor_terms"), "folder for CSVs and plots")
+    no_progress: bool = option(False, "no progress bars")
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "model", nargs="?", default="default", help='"default" (embedded model), a local directory or a Hub id'
-    )
-    parser.add_argument("--dataset", default=None, help="corpus for load_corpus (default: the offline pydoc corpus)")
-    parser.add_argument("--split", default="test", choices=["train", "test"], help="split of the corpus to score")
-    parser.add_argument("--block-size", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--num-blocks", type=int, default=8, help="sequences scored (the first N blocks of the split)")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
-    parser.add_argument("--max-order", type=int, default=100, help="highest Taylor order n measured")
-    parser.add_argument(
-        "--truncation-orders",
-        type=int,
-        nargs="*",
-        default=[],
-        help="also measure perplexity with exp truncated at these orders",
-    )
-    parser.add_argument(
-        "--truncation-tokens", type=int, default=1024, help="tokens of held-out text for --truncation-orders"
-    )
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="float64 for --truncation-orders")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/taylor_terms"), help="folder for CSVs and plots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    """The flags of `TaylorTermsOptions`."""
+    add_dataclass_arguments(parser, TaylorTermsOptions)
 
 
 def _check_args(args) -> None:

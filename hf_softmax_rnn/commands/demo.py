@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
+from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
@@ -42,46 +43,25 @@ FINETUNE_HINT = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """The flags of `demo` (each field is the flag of the same name)."""
+
+    model: str = option(DEFAULT_MODEL_ALIAS, "'default' (embedded SmolLM2-135M-Instruct), a local dir or a Hub id")
+    dataset: str | None = option(None, "held-out text: 'pydoc' (default, offline), files or a Hub dataset")
+    presets: list[str] = option(list(DEFAULT_PRESETS), "attention presets to compare", metavar="PRESET")
+    contexts: list[int] = option(list(DEFAULT_CONTEXTS), "prompt lengths (tokens) for the speed columns", metavar="N")
+    max_eval_tokens: int = option(2048, "tokens of held-out text scored for perplexity")
+    eval_window: int = option(1024, "perplexity windows (non-overlapping): each token sees 0 to N-1 tokens of context")
+    prefill_chunk: int = option(512, "prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)")
+    new_tokens: int = option(16, "tokens generated per speed measurement and per sample")
+    prompt: str = option(DEFAULT_PROMPT, "chat prompt of the generated samples")
+    output: Path | None = option(None, "directory to write demo.md and demo.json into")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL_ALIAS,
-        help="'default' (embedded SmolLM2-135M-Instruct), a local dir or a Hub id",
-    )
-    parser.add_argument(
-        "--dataset", default=None, help="held-out text: 'pydoc' (default, offline), files or a Hub dataset"
-    )
-    parser.add_argument(
-        "--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="attention presets to compare"
-    )
-    parser.add_argument(
-        "--contexts",
-        nargs="+",
-        type=int,
-        default=list(DEFAULT_CONTEXTS),
-        metavar="N",
-        help="prompt lengths (tokens) for the speed columns",
-    )
-    parser.add_argument(
-        "--max-eval-tokens", type=int, default=2048, help="tokens of held-out text scored for perplexity"
-    )
-    parser.add_argument(
-        "--eval-window",
-        type=int,
-        default=1024,
-        help="perplexity windows (non-overlapping): each token sees 0 to N-1 tokens of context",
-    )
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)",
-    )
-    parser.add_argument(
-        "--new-tokens", type=int, default=16, help="tokens generated per speed measurement and per sample"
-    )
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="chat prompt of the generated samples")
-    parser.add_argument("--output", type=Path, default=None, help="directory to write demo.md and demo.json into")
+    """The flags of `DemoOptions`."""
+    add_dataclass_arguments(parser, DemoOptions)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
+from hf_softmax_rnn.commands.arguments import option
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The paper's headline replacement of the softmax denominator.
 DEFAULT_ATTENTION = "gated_softmax_no_gate_L2norm_nodivS_noclamp"
@@ -105,60 +107,116 @@ def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
     return DEFAULT_SCHEDULE
 
 
+# Sections of `hf-softmax-rnn finetune --help`.
+_MODEL, _DATA, _OPTIM = "model and attention", "data", "optimisation"
+_TRANSFER, _FINETUNE = "stage 1: attention transfer", "stage 2: language-model fine-tuning"
+_OUTPUT = "evaluation, checkpoints and publishing"
+#: Stage settings that come from the attention's recipe when not given.
+_RECIPE = {"shown_default": "the attention's recipe"}
+
+
 @dataclass
 class FinetuneConfig:
-    """Settings of one fine-tuning run (see `hf-softmax-rnn finetune --help` for each one)."""
+    """Settings of one fine-tuning run; each field is the `hf-softmax-rnn finetune` flag of the same name
+    (the exceptions name their flag), with its help."""
 
-    output_dir: str
-    model: str = "default"
-    attention: str | dict = DEFAULT_ATTENTION
-    layers: list[int] | None = None
-    attention_mode: str = "chunked"
+    output_dir: str = option(help="folder for the model, adapter, metrics, card and checkpoints")
+    model: str = option(
+        "default", "'default' (the embedded SmolLM2-135M-Instruct), a local folder or a Hub id", group=_MODEL
+    )
+    attention: str | dict = option(
+        DEFAULT_ATTENTION,
+        "preset name (`python -c 'import hf_softmax_rnn; print(*hf_softmax_rnn.PRESETS)'`), a JSON object of "
+        "AttentionSpec fields, or a .json file holding one",
+        group=_MODEL,
+    )
+    layers: list[int] | None = option(None, "convert only these layer indices; the others keep softmax", group=_MODEL)
+    attention_mode: str = option(
+        "chunked",
+        "how finite-state layers compute a whole sequence while training and scoring (same result; chunked needs "
+        "O(L) memory and is several times faster than the L x L parallel form)",
+        choices=NO_CACHE_MODES,
+        group=_MODEL,
+    )
 
-    dataset: str = "pydoc"
-    dataset_config: str | None = None
-    text_column: str = "text"
-    streaming: bool = False
-    test_fraction: float = 0.1
-    block_size: int = 256
-    batch_size: int = 4
-    grad_accum: int = 1
-    eval_batch_size: int = 8
-    max_eval_blocks: int | None = None
-    shuffle_buffer: int = 10_000
+    dataset: str = option(
+        "pydoc",
+        "'pydoc' (offline corpus), local .txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset",
+        group=_DATA,
+    )
+    dataset_config: str | None = option(None, "configuration name of a Hub dataset", group=_DATA)
+    text_column: str = option("text", "column holding the text", group=_DATA)
+    streaming: bool = option(False, "stream the dataset instead of loading it whole", group=_DATA)
+    test_fraction: float = option(0.1, "held-out share when the data has no test split", group=_DATA)
+    block_size: int = option(256, "tokens per packed block", group=_DATA)
+    batch_size: int = option(4, "blocks per process per micro-batch", group=_DATA)
+    grad_accum: int = option(1, "micro-batches per optimizer step", group=_DATA)
+    eval_batch_size: int = option(8, "blocks per process per evaluation batch", group=_DATA)
+    max_eval_blocks: int | None = option(
+        None, "score only the first N held-out blocks (all when not given)", group=_DATA
+    )
+    shuffle_buffer: int = option(10_000, "shuffle buffer of a streamed dataset (1 = in order)", group=_DATA)
 
-    transfer_steps: int | None = None
-    transfer_lr: float | None = None
-    transfer_lm_weight: float = 0.0
-    transfer_modules: list[str] | None = None
-    transfer_teacher_forcing: bool = True
+    transfer_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_TRANSFER, **_RECIPE)
+    transfer_lr: float | None = option(None, "peak learning rate", group=_TRANSFER, **_RECIPE)
+    transfer_lm_weight: float = option(0.0, "weight of the LM loss added to the transfer MSE", group=_TRANSFER)
+    transfer_modules: list[str] | None = option(
+        None,
+        "submodules of the converted attention layers to train (when not given: rnn_params, or the q/k projections "
+        "if the spec has no learned parameters)",
+        group=_TRANSFER,
+    )
+    transfer_teacher_forcing: bool = option(
+        True,
+        "let each converted layer pass its own output on while transferring (default: the exact softmax output goes "
+        "on, so every layer sees the original model's hidden states)",
+        flag="--no-transfer-teacher-forcing",
+        group=_TRANSFER,
+    )
 
-    finetune_steps: int | None = None
-    finetune_method: str = "lora"
-    finetune_loss: str | None = None
-    lr: float | None = None
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: list[str] | None = None
+    finetune_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_FINETUNE, **_RECIPE)
+    finetune_method: str = option("lora", "LoRA adapters or all parameters", choices=FINETUNE_METHODS, group=_FINETUNE)
+    finetune_loss: str | None = option(
+        None,
+        "next-token cross-entropy, or KL divergence to the unconverted model's logits (distillation)",
+        choices=FINETUNE_LOSSES,
+        group=_FINETUNE,
+        **_RECIPE,
+    )
+    lr: float | None = option(None, "peak learning rate", group=_FINETUNE, **_RECIPE)
+    lora_rank: int = option(8, "LoRA rank r", group=_FINETUNE)
+    lora_alpha: float = option(16.0, "LoRA alpha (scale alpha / r)", group=_FINETUNE)
+    lora_dropout: float = option(0.0, "dropout on the LoRA input", group=_FINETUNE)
+    lora_targets: list[str] | None = option(
+        None, "module name suffixes (the attention projections when not given)", group=_FINETUNE
+    )
 
-    lr_scheduler: str = "cosine"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    lr_scheduler: str = option("cosine", "learning-rate schedule of each stage", choices=LR_SCHEDULERS, group=_OPTIM)
+    warmup_steps: int = option(0, "warm-up steps of each stage", group=_OPTIM)
+    weight_decay: float = option(0.0, WEIGHT_DECAY_HELP, group=_OPTIM)
+    max_grad_norm: float | None = option(1.0, "gradient clipping (0: none)", group=_OPTIM)
+    mixed_precision: str = option("no", "autocast dtype", choices=MIXED_PRECISION, group=_OPTIM)
+    seed: int = option(0, "seed of data order and initialisation", group=_OPTIM)
+    cpu: bool = option(False, "train on CPU even where a GPU is available", group=_OPTIM)
 
-    eval_every: int = 50
-    save_every: int = 50
-    save_total_limit: int = 2
-    seed: int = 0
-    resume: bool = False
-    allow_inexact_resume: bool = False
-    overwrite: bool = False
-    mixed_precision: str = "no"
-    cpu: bool = False
-    progress: bool = True
-    push_to_hub: str | None = None
-    hub_private: bool = False
+    eval_every: int = option(50, "held-out perplexity every N steps of a stage (and at its end)", group=_OUTPUT)
+    save_every: int = option(50, "checkpoint every N steps of a stage (and at its end)", group=_OUTPUT)
+    save_total_limit: int = option(2, "checkpoints kept", group=_OUTPUT)
+    resume: bool = option(False, "continue from the latest checkpoint in --output-dir", group=_OUTPUT)
+    allow_inexact_resume: bool = option(
+        False,
+        "resume even where the result cannot be exact (RNG states missing, training data changed), with a warning",
+        group=_OUTPUT,
+    )
+    overwrite: bool = option(
+        False,
+        "write into an --output-dir that holds other files, a finished run or the --model, replacing a previous "
+        "run's checkpoints and outputs",
+        group=_OUTPUT,
+    )
+    progress: bool = option(True, "no progress bars", flag="--no-progress", group=_OUTPUT)
+    push_to_hub: str | None = option(None, "upload the outputs to this Hub repo", metavar="REPO", group=_OUTPUT)
+    hub_private: bool = option(False, "create the Hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)

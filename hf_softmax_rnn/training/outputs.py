@@ -20,23 +20,20 @@ import fnmatch
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from huggingface_hub import HfApi
 from peft import PeftModel
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
 from hf_softmax_rnn.errors import CommandError
 from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
+from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
-
-if TYPE_CHECKING:
-    from hf_softmax_rnn.training.stages import Stage
-    from hf_softmax_rnn.training.trainer import Finetuner
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +70,24 @@ class PushToHubError(CommandError):
     """The upload failed; everything is saved locally."""
 
 
+@dataclass(frozen=True)
+class RunSummary:
+    """What the outputs of a finished run record (built by the trainer): its settings and folder, the
+    tokenizer saved with the model, the held-out metrics per point of the run, one dict per trained
+    stage (name, steps, learning_rate, trains, trainable_parameters, tokens), the global step and batch,
+    the number of processes and this process's wall time in seconds."""
+
+    config: FinetuneConfig
+    output_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    evaluations: dict[str, dict]
+    stages: list[dict]
+    global_step: int
+    global_batch: int
+    num_processes: int
+    seconds: float
+
+
 def save_model(model: PreTrainedModel, tokenizer, path: Path) -> None:
     """Save weights, config, tokenizer and the modelling code for `trust_remote_code` loading
     (without registering the class, which would change every later save in this process)."""
@@ -93,17 +108,6 @@ def save_tokenizer(tokenizer, path: Path) -> None:
         config_file.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _stage_summary(run: Finetuner, stage: Stage) -> dict:
-    return {
-        "name": stage.name,
-        "steps": stage.steps,
-        "learning_rate": stage.learning_rate,
-        "trains": stage.trains,
-        "trainable_parameters": run.state.trainable_parameters.get(stage.name),
-        "tokens": stage.steps * run.global_batch * run.config.block_size,
-    }
-
-
 def _is_local_path(name: str) -> bool:
     return Path(name).expanduser().is_absolute() or name.startswith(".") or Path(name).exists()
 
@@ -116,7 +120,7 @@ def portable_path(name: str, output_dir: Path) -> str:
     return os.path.relpath(Path(name).expanduser().resolve(), output_dir.resolve())
 
 
-def portable_config(run: Finetuner) -> dict:
+def portable_config(run: RunSummary) -> dict:
     """The run's settings with local paths relative to the output folder (itself ".")."""
     config = run.config.to_dict()
     config["output_dir"] = "."
@@ -126,7 +130,7 @@ def portable_config(run: Finetuner) -> dict:
     return config
 
 
-def _model_card(run: Finetuner, model: PreTrainedModel, stages: list[dict], has_adapter: bool):
+def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
     config = run.config
     base_on_hub = config.model == DEFAULT_MODEL_ALIAS or not _is_local_path(config.model)
     dataset_on_hub = config.dataset != "pydoc" and not _is_local_path(config.dataset)
@@ -135,27 +139,26 @@ def _model_card(run: Finetuner, model: PreTrainedModel, stages: list[dict], has_
     base_model = portable_path(config.model, run.output_dir)
     if config.model == DEFAULT_MODEL_ALIAS:
         base_model = DEFAULT_MODEL_HUB_ID
-    evaluations = {point: values for point, values in run.state.evaluations.items()}
-    tokens = next(iter(evaluations.values()), {}).get("eval_tokens", 0)
+    tokens = next(iter(run.evaluations.values()), {}).get("eval_tokens", 0)
     return softmax_rnn_model_card(
         layer_specs=[model.config.attention_spec(i) for i in range(model.config.num_hidden_layers)],
         head_dim=model.config.attention_head_dim,
         base_model=base_model,
         base_model_on_hub=base_on_hub,
         repo_id=config.push_to_hub or f"./{run.output_dir.resolve().name}",
-        evaluations=evaluations,
+        evaluations=run.evaluations,
         evaluation_text=(
             f"Perplexity is exp of the mean next-token negative log-likelihood over the test split of the data, "
             f"packed into {config.block_size}-token blocks that are each scored on their own ({tokens:,} "
             "predicted tokens)."
         ),
-        stages=stages,
+        stages=run.stages,
         dataset=dataset,
         dataset_on_hub=dataset_on_hub,
         dataset_text=dataset_text,
         block_size=config.block_size,
         global_batch=run.global_batch,
-        num_processes=run.accelerator.num_processes,
+        num_processes=run.num_processes,
         has_adapter=has_adapter,
     )
 
@@ -165,10 +168,10 @@ def _plot_title(config) -> str:
     return f"{layers}: {config.attention_spec.describe()}"
 
 
-def save_outputs(run: Finetuner, model, stages: list[Stage], *, seconds: float) -> PreTrainedModel:
-    """Merge LoRA (on every process) and write the output folder (main process); returns the merged model."""
+def save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
+    """Merge LoRA (call on every process) and write the output folder (`is_main`); returns the merged
+    model. The caller waits for every process afterwards."""
     output_dir = run.output_dir
-    is_main = run.accelerator.is_main_process
     has_adapter = isinstance(model, PeftModel)
     if has_adapter:
         if is_main:
@@ -177,20 +180,18 @@ def save_outputs(run: Finetuner, model, stages: list[Stage], *, seconds: float) 
         model = model.merge_and_unload()
     if is_main:
         save_model(model, run.tokenizer, output_dir)
-        summaries = [_stage_summary(run, stage) for stage in stages]
         results = {
-            "evaluations": run.state.evaluations,
-            "stages": summaries,
-            "global_step": run.state.global_step,
-            "num_processes": run.accelerator.num_processes,
-            "seconds_this_process": round(seconds, 1),
+            "evaluations": run.evaluations,
+            "stages": run.stages,
+            "global_step": run.global_step,
+            "num_processes": run.num_processes,
+            "seconds_this_process": round(run.seconds, 1),
             "config": portable_config(run),
         }
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         plot_loss_curves(read_metrics(output_dir / METRICS_FILE), output_dir / PLOT_FILE, title=_plot_title(run.config))
-        _model_card(run, model, summaries, has_adapter).save(output_dir / "README.md")
+        _model_card(run, model, has_adapter).save(output_dir / "README.md")
         logger.info("Saved the trained model, metrics and model card to %s", output_dir)
-    run.accelerator.wait_for_everyone()
     return model
 
 
@@ -218,22 +219,22 @@ def uploaded_files(output_dir: Path) -> list[str]:
     return sorted(set(files))
 
 
-def publish(run: Finetuner) -> None:
-    """Upload the allow-listed files of the output folder to `--push-to-hub` (main process).
+def publish(config: FinetuneConfig, output_dir: Path) -> None:
+    """Upload the allow-listed files of `output_dir` to `config.push_to_hub`, if set (call on the main process).
 
     Raises PushToHubError naming the cause (offline, no token, network, permissions)."""
-    repo = run.config.push_to_hub
-    if not repo or not run.accelerator.is_main_process:
+    repo = config.push_to_hub
+    if not repo:
         return
-    files = uploaded_files(run.output_dir)
+    files = uploaded_files(output_dir)
     try:
         api = HfApi()
-        api.create_repo(repo, private=run.config.hub_private, exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=run.output_dir, allow_patterns=files)
+        api.create_repo(repo, private=config.hub_private, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=output_dir, allow_patterns=files)
     except Exception as error:  # any failure of the upload: the outputs are saved already
         raise PushToHubError(
-            f"Could not push {run.output_dir} to the Hub repo {repo!r}: {error}. Everything is saved in "
-            f"{run.output_dir}; to push it later, run the same command again with --resume (the training is "
+            f"Could not push {output_dir} to the Hub repo {repo!r}: {error}. Everything is saved in "
+            f"{output_dir}; to push it later, run the same command again with --resume (the training is "
             "complete: it only writes and uploads the outputs)"
         ) from error
-    logger.info("Pushed %d files of %s to https://huggingface.co/%s", len(files), run.output_dir, repo)
+    logger.info("Pushed %d files of %s to https://huggingface.co/%s", len(files), output_dir, repo)

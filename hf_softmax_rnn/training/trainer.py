@@ -44,8 +44,9 @@ from hf_softmax_rnn.training.checkpointing import (
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
+from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import check_output_dir, claim_output_dir
-from hf_softmax_rnn.training.outputs import publish, save_outputs
+from hf_softmax_rnn.training.outputs import RunSummary, publish, save_outputs
 from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
@@ -241,25 +242,48 @@ class Finetuner:
                 model = self._train_stage(index, stage, model)
         if self.metrics is not None:
             self.metrics.close()
-        model = save_outputs(self, model, self.stages, seconds=time.perf_counter() - start)
+        summary = self.summary(seconds=time.perf_counter() - start)
+        model = save_outputs(summary, model, is_main=self.accelerator.is_main_process)
+        self.accelerator.wait_for_everyone()
         self.output_claim.finish()
-        publish(self)
+        if self.accelerator.is_main_process:
+            publish(self.config, self.output_dir)
         return FinetuneResult(
             model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds)
+        )
+
+    def summary(self, *, seconds: float) -> RunSummary:
+        """What the output folder records of this run, after training."""
+        stages = [
+            {
+                "name": stage.name,
+                "steps": stage.steps,
+                "learning_rate": stage.learning_rate,
+                "trains": stage.trains,
+                "trainable_parameters": self.state.trainable_parameters.get(stage.name),
+                "tokens": stage.steps * self.global_batch * self.config.block_size,
+            }
+            for stage in self.stages
+        ]
+        return RunSummary(
+            config=self.config,
+            output_dir=self.output_dir,
+            tokenizer=self.tokenizer,
+            evaluations=dict(self.state.evaluations),
+            stages=stages,
+            global_step=self.state.global_step,
+            global_batch=self.global_batch,
+            num_processes=self.accelerator.num_processes,
+            seconds=seconds,
         )
 
     def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:
         config, accelerator = self.config, self.accelerator
         set_seed(config.seed + index)
         trainable = stage.setup(model)
-        parameters = [p for p in trainable.parameters() if p.requires_grad]
-        count = sum(p.numel() for p in parameters)
+        count = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
         logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")
-        groups = [
-            {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": config.weight_decay},
-            {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=stage.learning_rate)
+        optimizer = torch.optim.AdamW(weight_decay_groups(trainable, config.weight_decay), lr=stage.learning_rate)
         scheduler = get_scheduler(
             config.lr_scheduler,
             optimizer,

@@ -1,5 +1,7 @@
 """The output folder: what is saved, what is uploaded, and that nothing in it names a local path."""
 
+import ast
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.data.corpus import load_corpus
-from hf_softmax_rnn.training import finetune, outputs
+from hf_softmax_rnn.training import Finetuner, finetune, outputs
 from hf_softmax_rnn.training.outputs import save_model
 from tests.training.helpers import tiny_config
 
@@ -84,12 +86,7 @@ def test_push_uploads_only_the_allow_list(tmp_path, monkeypatch):
     every_file = run_folder(tmp_path)
     monkeypatch.setattr(outputs, "HfApi", RecordingHfApi)
     RecordingHfApi.uploads.clear()
-    run = SimpleNamespace(
-        config=SimpleNamespace(push_to_hub="someone/model", hub_private=False),
-        accelerator=SimpleNamespace(is_main_process=True),
-        output_dir=tmp_path,
-    )
-    outputs.publish(run)
+    outputs.publish(SimpleNamespace(push_to_hub="someone/model", hub_private=False), tmp_path)
     (upload,) = RecordingHfApi.uploads
     uploaded = set(
         filter_repo_objects(
@@ -130,3 +127,36 @@ def test_card_and_results_name_no_local_absolute_path(tiny_models, tmp_path):
     assert results["dataset"] == "../../data/texts.txt"
     assert (out / results["model"]).resolve() == Path(tiny_models["llama"]).resolve()
     assert "`../../data/texts.txt`" in (out / "README.md").read_text()
+
+
+def test_outputs_do_not_import_the_trainer():
+    """The outputs take a `RunSummary` built by the trainer, not the trainer itself (no import cycle)."""
+    tree = ast.parse(Path(outputs.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "hf_softmax_rnn.training.trainer" not in imported
+    assert "hf_softmax_rnn.training.stages" not in imported
+
+
+def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", transfer_steps=1, finetune_steps=2)
+    finetuner = Finetuner(config)
+    finetuner.run()
+    summary = finetuner.summary(seconds=3.0)
+    assert [field.name for field in dataclasses.fields(outputs.RunSummary)] == [
+        "config",
+        "output_dir",
+        "tokenizer",
+        "evaluations",
+        "stages",
+        "global_step",
+        "global_batch",
+        "num_processes",
+        "seconds",
+    ]
+    assert (summary.global_step, summary.num_processes) == (3, 1)
+    assert [(stage["name"], stage["steps"]) for stage in summary.stages] == [("transfer", 1), ("finetune", 2)]
+    results = json.loads((tmp_path / "out" / outputs.RESULTS_FILE).read_text())
+    assert results["stages"] == summary.stages
+    assert results["evaluations"] == json.loads(json.dumps(summary.evaluations))
+    assert results["global_step"] == summary.global_step

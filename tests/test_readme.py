@@ -1,0 +1,217 @@
+"""The README's code blocks work.
+
+- ```python blocks run, one fresh process per `## ` section (a section's blocks in order, since later
+  ones use earlier names), in a temporary folder. Names a block leaves to the reader (`llama_model`,
+  `tokenizer`, `prompts`, `texts`) and `TINY_LLAMA` (the folder of a tiny random Llama) come from
+  `PREAMBLE`.
+- ```bash blocks: every command line is parsed by the parser of the command it names (`hf-softmax-rnn`
+  subcommands, `accelerate launch -m hf_softmax_rnn.cli`, the scripts, `make` targets), and the
+  finetune settings are validated; lines named by a `run` comment are run.
+
+HTML comments right above a block adapt it to tiny offline settings (arguments are Python string
+literals; each OLD must occur in the block):
+
+    <!-- test: replace 'OLD' 'NEW' -->    every occurrence, in the order of the comments
+    <!-- test: run 'PREFIX' -->           bash: run the command lines that start with PREFIX
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from hf_softmax_rnn import cli
+from hf_softmax_rnn.training import FinetuneConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DIRECTIVE = re.compile(r"<!-- test: (\w+) (.*) -->$")
+LINE_PREFIX = re.compile(r"^(?:[A-Z_]+=\S+\s+)*")  # environment assignments before a command
+
+PREAMBLE = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tests.training.helpers import word_tokenizer
+
+torch.manual_seed(0)
+tokenizer = word_tokenizer()
+tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+llama_model = LlamaForCausalLM(
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, bos_token_id=None)
+)
+TINY_LLAMA = "tiny_llama"
+llama_model.save_pretrained(TINY_LLAMA)
+tokenizer.save_pretrained(TINY_LLAMA)
+prompts = ["The for statement in Python", "A class"]
+texts = ["The for statement in Python iterates over the items of a sequence.", "A class is a type."]
+"""
+
+
+@dataclass
+class Block:
+    section: str
+    language: str
+    code: str
+    line: int
+    runs: list[str] = field(default_factory=list)
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of `text`, with their `replace` comments applied and `run` prefixes collected."""
+    blocks, directives, section, block = [], [], "", None
+    for number, line in enumerate(text.splitlines(), 1):
+        if block is not None:
+            if line.startswith("```"):
+                blocks.append(_adapted(block, directives))
+                block, directives = None, []
+            else:
+                block.code += line + "\n"
+        elif line.startswith("```"):
+            block = Block(section, line[3:].strip(), "", number)
+        elif DIRECTIVE.match(line):
+            directives.append(DIRECTIVE.match(line).groups())
+        else:
+            directives = []
+            if line.startswith("## "):
+                section = line[3:]
+    return blocks
+
+
+def _adapted(block: Block, directives: list[tuple[str, str]]) -> Block:
+    for name, arguments in directives:
+        values = [ast.literal_eval(value) for value in shlex.split(arguments, posix=False)]
+        if name == "replace":
+            old, new = values
+            assert old in block.code, f"README line {block.line}: {old!r} is not in the block"
+            block.code = block.code.replace(old, new)
+        elif name == "run":
+            block.runs += values
+        else:
+            raise AssertionError(f"README line {block.line}: unknown test comment {name!r}")
+    return block
+
+
+BLOCKS = readme_blocks(README.read_text())
+PYTHON_SECTIONS = list(dict.fromkeys(block.section for block in BLOCKS if block.language == "python"))
+BASH_BLOCKS = [block for block in BLOCKS if block.language == "bash"]
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1"}
+    script = cwd / "readme_section.py"
+    script.write_text(PREAMBLE + "\n" + code)
+    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("section", PYTHON_SECTIONS)
+def test_python_blocks_of_each_section_run(section, tmp_path):
+    code = "".join(block.code for block in BLOCKS if block.language == "python" and block.section == section)
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_broken_python_block_fails(tmp_path):
+    first = next(block for block in BLOCKS if block.language == "python" and "AttentionSpec.from_preset" in block.code)
+    result = run_python(first.code.replace("from_preset", "from_preset_renamed"), tmp_path)
+    assert result.returncode != 0 and "from_preset_renamed" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ bash blocks
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"readme_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def command_lines(code: str) -> list[str]:
+    """The command lines of a bash block: continuations joined, comments dropped."""
+    joined = code.replace("\\\n", " ")
+    return [shlex.join(shlex.split(line, comments=True)) for line in joined.splitlines() if shlex.split(line, True)]
+
+
+def check_command(line: str) -> list[str] | None:
+    """Parse `line` with the parser of the command it names; returns the `hf-softmax-rnn` argv, if it is one.
+
+    A bad flag or value raises SystemExit (argparse) or UserInputError (settings)."""
+    words = [word for word in shlex.split(LINE_PREFIX.sub("", line)) if word != "..."]
+    if words[0] == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+        assert set(words[1:]) <= set(targets), f"{line}: no such make target"
+        return None
+    if words[0] == "python" and words[1] in ("scripts/bench_recovery.py", "scripts/reproduce_paper.py"):
+        _script(Path(words[1]).stem).parse_args(words[2:])
+        return None
+    if words[:2] == ["python", "scripts/finetune.py"]:
+        argv = ["finetune", *words[2:]]
+    elif words[0] == "hf-softmax-rnn":
+        argv = words[1:]
+    elif words[:2] == ["accelerate", "launch"] and "hf_softmax_rnn.cli" in words:
+        argv = words[words.index("hf_softmax_rnn.cli") + 1 :]
+    else:
+        raise AssertionError(f"README command {line!r}: the test does not know how to check it")
+    parser, _ = cli.subcommand_parser(argv[0])
+    args = parser.parse_args(argv[1:])
+    if argv[0] == "finetune":
+        FinetuneConfig.from_namespace(args)
+    return argv
+
+
+@pytest.mark.parametrize("block", BASH_BLOCKS, ids=[f"line {block.line}" for block in BASH_BLOCKS])
+def test_bash_commands_parse_and_quick_ones_run(block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lines = command_lines(block.code)
+    assert lines
+    ran = []
+    for line in lines:
+        argv = check_command(line)
+        if any(line.startswith(prefix) for prefix in block.runs):
+            assert argv is not None and cli.main(argv) == 0, line
+            ran.append(line)
+    assert len(ran) == len(block.runs)
+
+
+def test_a_renamed_flag_or_bad_value_fails():
+    line = "hf-softmax-rnn finetune --output-dir out --attention softmax --transfer-steps 2"
+    assert check_command(line)[0] == "finetune"
+    with pytest.raises(SystemExit):
+        check_command(line.replace("--transfer-steps", "--transfer-step-count"))
+    with pytest.raises(ValueError, match="softmaxx"):
+        check_command(line.replace("--attention softmax", "--attention softmaxx"))
+    with pytest.raises(AssertionError, match="no such make target"):
+        check_command("make tests")
+
+
+def test_directives_replace_and_collect_runs():
+    text = textwrap.dedent(
+        """\
+        ## A section
+        <!-- test: replace 'steps=300' 'steps=2' -->
+        <!-- test: run 'hf-softmax-rnn mqar' -->
+        ```python
+        train(steps=300)
+        ```
+        """
+    )
+    (block,) = readme_blocks(text)
+    assert (block.section, block.language, block.code, block.runs) == (
+        "A section",
+        "python",
+        "train(steps=2)\n",
+        ["hf-softmax-rnn mqar"],
+    )
+    with pytest.raises(AssertionError, match="'steps=1' is not in the block"):
+        readme_blocks(text.replace("'steps=300'", "'steps=1'"))

@@ -1,0 +1,79 @@
+"""One weight-decay rule for every optimizer: the weights of linear and embedding layers only."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from hf_softmax_rnn import convert
+from hf_softmax_rnn.analysis.small_models import optimizer_and_schedule, small_llama
+from hf_softmax_rnn.training import Finetuner
+from hf_softmax_rnn.training.optim import weight_decay_groups
+from tests.training.helpers import tiny_config
+
+
+def decayed_names(model, groups):
+    decayed = {id(p) for group in groups if group["weight_decay"] > 0 for p in group["params"]}
+    return {name for name, p in model.named_parameters() if id(p) in decayed}
+
+
+def test_decays_layer_weights_but_not_biases_norms_or_feature_maps(tiny_models):
+    model = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), "linear_hedgehog")
+    groups = weight_decay_groups(model, 0.1)
+    names = decayed_names(model, groups)
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.embed_tokens.weight" in names
+    assert not any("norm" in name or "hedgehog" in name or name.endswith("bias") for name in names)
+    # the 3-D hedgehog maps are not decayed, although they are matrices
+    hedgehog = [name for name, p in model.named_parameters() if "hedgehog" in name]
+    assert hedgehog and all(model.get_parameter(name).dim() >= 2 for name in hedgehog)
+    assert sum(len(group["params"]) for group in groups) == len(list(model.parameters()))
+    assert {group["weight_decay"] for group in groups} == {0.1, 0.0}
+
+
+def test_gpt2_conv1d_and_lora_matrices_are_decayed_frozen_weights_left_out(tiny_models):
+    model = convert(AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]), "gated_softmax")
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["rnn_params"]))
+    groups = weight_decay_groups(model, 0.5)
+    names = decayed_names(model, groups)
+    assert any("lora_A" in name for name in names) and any("lora_B" in name for name in names)
+    # besides LoRA, only the gate matrices of the trained copy of rnn_params (modules_to_save)
+    assert all("lora_" in name or (name.endswith("_gate.weight") and "rnn_params" in name) for name in names)
+    assert all(p.requires_grad for group in groups for p in group["params"])
+    full = convert(AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]), "gated_softmax")
+    full_names = decayed_names(full, weight_decay_groups(full, 0.5))
+    assert "transformer.h.0.attn.c_attn.weight" in full_names  # transformers' Conv1D
+    assert "transformer.h.0.attn.rnn_params.output_gate.weight" in full_names  # gates are linear layers
+    assert not any(name.endswith("bias") or "ln_" in name for name in full_names)
+
+
+def test_small_models_and_the_finetuner_use_the_rule(tiny_models, tmp_path, monkeypatch):
+    model = small_llama("gated_softmax", vocab_size=40, hidden_size=16, num_heads=2, max_position_embeddings=10)
+    optimizer, _ = optimizer_and_schedule(model, lr=1e-3, weight_decay=0.1, warmup_steps=1, steps=10)
+    assert decayed_names(model, optimizer.param_groups) == decayed_names(model, weight_decay_groups(model, 0.1))
+
+    made = []
+    adamw = torch.optim.AdamW
+
+    def recording_adamw(groups, **kwargs):
+        made.append(groups)
+        return adamw(groups, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording_adamw)
+    config = tiny_config(
+        tiny_models["llama"],
+        tmp_path / "out",
+        transfer_steps=0,
+        finetune_steps=1,
+        finetune_method="full",
+        weight_decay=0.2,
+    )
+    finetuner = Finetuner(config)
+    finetuner.run()
+    (groups,) = made
+    assert {group["weight_decay"] for group in groups} == {0.2, 0.0}
+    model = finetuner.converted
+    names = decayed_names(model, groups)
+    assert names == decayed_names(model, weight_decay_groups(model, 0.2))
+    # the RMSNorm weight of the converted attention is a matrix [heads, head_dim], and not decayed
+    norm = "model.layers.0.self_attn.rnn_params.norm_weight"
+    assert model.get_parameter(norm).dim() == 2 and norm not in names
