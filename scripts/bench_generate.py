@@ -1,25 +1,32 @@
-"""Per-token decode latency and cache bytes against context length, KV cache vs recurrent state.
+"""Per-token decode latency of unmodified transformers against converted models, by context length.
 
-The default model is converted to each preset (softmax keeps a KV cache; linear_elu and
-softmax_taylor_2 decode from a fixed-size recurrent state). Every model reads the same
-token stream: it is prefilled in chunks up to each context length in turn (chunked mode for
-the recurrent layers, attention to the growing KV cache for softmax), then decodes greedily
-one token at a time. A snapshot of each cache is kept at each length, and all (length,
-model) cells are timed in interleaved rounds at the end, so a change in load from other
-processes falls on every cell alike; latencies are medians. Each cell's cache grows by the
-`rounds * steps` tokens it decodes (cache bytes are reported after them).
+The model (`--model`) runs as transformers' own class ("transformers", a KV cache) and converted to
+each preset (linear_elu and softmax_taylor_2 decode from a fixed-size recurrent state), all in one
+process. For each context length in turn, every model gets a fresh cache, is prefilled with the
+same token stream up to that length (in chunks, not timed) and decodes `--warmup` greedy tokens
+untimed (this compiles and records CUDA graphs with `--compile`); then the models are timed in
+interleaved rounds (`--rounds` x `--steps` tokens each), so a change in load from other processes
+falls on every model alike. Latencies are medians; each step is synchronised on a GPU before the
+clock is read.
 
     python scripts/bench_generate.py                     # 128 ... 16384, writes docs/figures/bench_generate.*
     python scripts/bench_generate.py --contexts 128 1024 --steps 4 --rounds 1
+    python scripts/bench_generate.py --device cuda --dtype bfloat16 --compile   # static caches + CUDA graphs
     python scripts/bench_generate.py --device cuda --random-weights --model CONFIG_DIR   # speed only, no checkpoint
+
+`--compile` decodes every model (the plain one included) through transformers' `StaticCache`
+(a `StaticRecurrentStateLayer` per recurrent layer, updated in place), with the forward wrapped in
+`torch.compile(mode=--compile-mode)`: "reduce-overhead" (CUDA graphs) by default on a GPU,
+"default" elsewhere. Without it, every model decodes eagerly from a `DynamicCache`.
 
 `--random-weights` builds the model from its config alone with random weights and feeds random
 token ids: the cost per token does not depend on the weights, so a GPU machine needs only a
 config.json.
 
-Target (issue 3): a recurrent variant's latency at 16384 within 1.2x of its latency at 128,
-and at least 2x faster than softmax at 16384. SmolLM2 was trained on 8192 positions; beyond
-that the text is meaningless but the cost per token is what is measured.
+Targets (issues 3 and 11): a recurrent variant's latency at the longest context within 1.2x of its
+latency at the shortest, and its latency within 1.05x of transformers' at the shortest.
+SmolLM2 was trained on 8192 positions; beyond that the text is meaningless but the cost per
+token is what is measured.
 """
 
 from __future__ import annotations
@@ -29,13 +36,12 @@ import json
 import logging
 import statistics
 import time
-from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
@@ -43,60 +49,64 @@ from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger("bench_generate")
 
-DEFAULT_PRESETS = ("softmax", "linear_elu", "softmax_taylor_2")
+BASELINE = "transformers"
+DEFAULT_PRESETS = ("linear_elu", "softmax_taylor_2")
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 16384)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LATENCY_RATIO_TARGET = 1.2
-SPEEDUP_TARGET = 2.0
+BASELINE_RATIO_TARGET = 1.05
 
 
 @dataclass
 class Measurement:
-    preset: str
+    model: str
     context: int
     latency_ms: float
     cache_bytes: int
     prefill_s: float
 
 
-class DecodeSession:
-    """One model, its cache and the greedy continuation, grown in place."""
+class Decoder:
+    """One model, its decode step (eager, or compiled over a static cache) and the cache it is on."""
 
-    def __init__(self, preset: str, model) -> None:
-        self.preset = preset
+    def __init__(self, name: str, model, compile_mode: str | None) -> None:
+        self.name = name
         self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.length = 0
+        self.compiled = compile_mode is not None
+        self.step = torch.compile(model, mode=compile_mode) if self.compiled else model
+        self.cache = None
         self.next_token: torch.Tensor | None = None
 
-    @torch.inference_mode()
-    def prefill_to(self, stream: torch.Tensor, length: int, chunk: int) -> float:
-        """Feed tokens of `stream` until the cache holds `length` positions; returns seconds."""
+    @torch.no_grad()
+    def prefill(self, stream: torch.Tensor, length: int, capacity: int, chunk: int) -> float:
+        """A fresh cache (room for `capacity` positions if static) fed `stream[:length]` eagerly; seconds."""
+        config = self.model.config
+        self.cache = (
+            StaticCache(config=config, max_cache_len=capacity) if self.compiled else DynamicCache(config=config)
+        )
+        _synchronize(stream.device)
         start = time.perf_counter()
-        for begin in range(self.length, length, chunk):
+        for begin in range(0, length, chunk):
             ids = stream[None, begin : min(begin + chunk, length)]
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
-            self.length += ids.shape[1]
             self.next_token = logits[:, -1:].argmax(-1)
-        _synchronize(self.next_token.device)
+        _synchronize(stream.device)
         return time.perf_counter() - start
 
-    def snapshot(self) -> DecodeSession:
-        """An independent copy (own cache) that decodes on from this point; the model is shared."""
-        clone = DecodeSession.__new__(DecodeSession)
-        clone.__dict__.update(self.__dict__, cache=deepcopy(self.cache), next_token=self.next_token.clone())
-        return clone
-
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, steps: int) -> list[float]:
-        """Greedy decode `steps` tokens; returns the seconds of each step."""
+        """Greedy decode `steps` tokens; returns the seconds of each step (device synchronised)."""
         latencies = []
+        device = self.next_token.device
+        _synchronize(device)
         for _ in range(steps):
             start = time.perf_counter()
-            logits = self.model(input_ids=self.next_token, cache=self.cache, use_cache=True).logits
-            self.next_token = logits[:, -1:].argmax(-1)
-            _synchronize(self.next_token.device)
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph may reuse its output buffers
+            logits = self.step(input_ids=self.next_token, cache=self.cache, use_cache=True).logits
+            self.next_token = logits[:, -1:].argmax(-1).clone()
+            _synchronize(device)
             latencies.append(time.perf_counter() - start)
-            self.length += 1
         return latencies
 
 
@@ -105,60 +115,63 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_benchmark(sessions: list[DecodeSession], stream: torch.Tensor, args) -> list[Measurement]:
-    """Prefill every model to each context length and keep a snapshot there; then time all
-    (context, preset) snapshots in interleaved rounds, so that load from other processes
-    falls on every cell alike."""
-    snapshots: dict[tuple[int, str], DecodeSession] = {}
-    prefill_s: dict[tuple[int, str], float] = {}
-    for context in tqdm(args.contexts, desc="Prefilling", unit="length"):
-        for session in sessions:
-            prefill_s[context, session.preset] = session.prefill_to(stream, context, args.prefill_chunk)
-            snapshots[context, session.preset] = session.snapshot()
-    latencies: dict[tuple[int, str], list[float]] = {key: [] for key in snapshots}
-    for _ in tqdm(range(args.rounds), desc="Timing rounds", unit="round"):
-        for key, snapshot in snapshots.items():
-            latencies[key] += snapshot.decode(args.steps)
+def run_benchmark(decoders: list[Decoder], stream: torch.Tensor, args) -> list[Measurement]:
+    """For each context: prefill every model, warm each up, then time them in interleaved rounds."""
     measurements = []
-    for (context, preset), snapshot in snapshots.items():
-        measurement = Measurement(
-            preset=preset,
-            context=context,
-            latency_ms=1000 * statistics.median(latencies[context, preset]),
-            cache_bytes=cache_nbytes(snapshot.cache),
-            prefill_s=prefill_s[context, preset],
-        )
-        logger.info("%s", measurement)
-        measurements.append(measurement)
+    capacity_extra = args.warmup + args.rounds * args.steps
+    for context in tqdm(args.contexts, desc="Contexts", unit="length"):
+        prefill_s = {}
+        for decoder in decoders:
+            prefill_s[decoder.name] = decoder.prefill(stream, context, context + capacity_extra, args.prefill_chunk)
+            decoder.decode(args.warmup)
+        latencies: dict[str, list[float]] = {decoder.name: [] for decoder in decoders}
+        for _ in range(args.rounds):
+            for decoder in decoders:
+                latencies[decoder.name] += decoder.decode(args.steps)
+        for decoder in decoders:
+            measurement = Measurement(
+                model=decoder.name,
+                context=context,
+                latency_ms=1000 * statistics.median(latencies[decoder.name]),
+                cache_bytes=cache_nbytes(decoder.cache),
+                prefill_s=prefill_s[decoder.name],
+            )
+            logger.info("%s", measurement)
+            measurements.append(measurement)
+            decoder.cache = None
     return measurements
 
 
 def summary(measurements: list[Measurement], contexts: list[int]) -> list[str]:
-    """The issue's two targets, one line per recurrent preset."""
-    latency = {(m.preset, m.context): m.latency_ms for m in measurements}
+    """The targets, one line per converted model."""
+    latency = {(m.model, m.context): m.latency_ms for m in measurements}
     shortest, longest = min(contexts), max(contexts)
     lines = []
-    for preset in dict.fromkeys(m.preset for m in measurements):
-        if preset == "softmax":
+    for name in dict.fromkeys(m.model for m in measurements):
+        if name == BASELINE:
             continue
-        ratio = latency[preset, longest] / latency[preset, shortest]
-        line = f"- `{preset}`: latency {longest} / {shortest} = {ratio:.2f}x (target <= {LATENCY_RATIO_TARGET}x)"
-        if ("softmax", longest) in latency:
-            speedup = latency["softmax", longest] / latency[preset, longest]
-            line += f"; softmax / {preset} at {longest} = {speedup:.2f}x (target >= {SPEEDUP_TARGET}x)"
+        ratio = latency[name, longest] / latency[name, shortest]
+        line = f"- `{name}`: latency {longest} / {shortest} = {ratio:.2f}x (target <= {LATENCY_RATIO_TARGET}x)"
+        if (BASELINE, shortest) in latency:
+            against = latency[name, shortest] / latency[BASELINE, shortest]
+            line += f"; / {BASELINE} at {shortest} = {against:.2f}x (target <= {BASELINE_RATIO_TARGET}x)"
         lines.append(line)
     return lines
 
 
 def markdown_table(measurements: list[Measurement], contexts: list[int]) -> str:
-    presets = list(dict.fromkeys(m.preset for m in measurements))
-    by_key = {(m.preset, m.context): m for m in measurements}
-    header = ["context"] + [f"{p} ms/token" for p in presets] + [f"{p} cache MiB" for p in presets]
+    """context | ms/token of each model | each converted model's ratio to transformers | cache MiB."""
+    names = list(dict.fromkeys(m.model for m in measurements))
+    by_key = {(m.model, m.context): m for m in measurements}
+    converted = [name for name in names if name != BASELINE] if BASELINE in names else []
+    header = ["context", *(f"{n} ms/token" for n in names), *(f"{n} / {BASELINE}" for n in converted)]
+    header += [f"{n} cache MiB" for n in names]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
     for context in contexts:
         row = [str(context)]
-        row += [f"{by_key[p, context].latency_ms:.1f}" for p in presets]
-        row += [f"{by_key[p, context].cache_bytes / 2**20:.2f}" for p in presets]
+        row += [f"{by_key[n, context].latency_ms:.2f}" for n in names]
+        row += [f"{by_key[n, context].latency_ms / by_key[BASELINE, context].latency_ms:.2f}x" for n in converted]
+        row += [f"{by_key[n, context].cache_bytes / 2**20:.2f}" for n in names]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -170,11 +183,11 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_latency, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    for preset in dict.fromkeys(m.preset for m in measurements):
-        rows = [m for m in measurements if m.preset == preset]
+    for name in dict.fromkeys(m.model for m in measurements):
+        rows = [m for m in measurements if m.model == name]
         contexts = [m.context for m in rows]
-        ax_latency.plot(contexts, [m.latency_ms for m in rows], marker="o", label=preset)
-        ax_bytes.plot(contexts, [m.cache_bytes / 2**20 for m in rows], marker="o", label=preset)
+        ax_latency.plot(contexts, [m.latency_ms for m in rows], marker="o", label=name)
+        ax_bytes.plot(contexts, [m.cache_bytes / 2**20 for m in rows], marker="o", label=name)
     for ax, ylabel in ((ax_latency, "decode latency (ms / token, median)"), (ax_bytes, "cache (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
@@ -191,13 +204,28 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_ALIAS, help="'default', a local dir or a Hub id")
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=None,
+        help=f"converted models, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
+    )
     parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
     parser.add_argument("--steps", type=int, default=8, help="decode steps per model per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per context length")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed decode steps per model and context")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    parser.add_argument(
+        "--compile", action="store_true", help="decode through a StaticCache with the forward in torch.compile"
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; default elsewhere)",
+    )
     parser.add_argument(
         "--random-weights",
         action="store_true",
@@ -215,8 +243,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if sorted(args.contexts) != args.contexts or args.contexts[0] < 1:
         raise ValueError(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        raise ValueError("--warmup, --steps and --rounds must be at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.presets is None:
+        args.presets = list(DEFAULT_PRESETS)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    compile_mode = None
+    if args.compile:
+        compile_mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        # one compiled step per model and context (new cache shapes and addresses): keep them all compiled
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.contexts))
     if args.random_weights:
         torch.manual_seed(0)
         base_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
@@ -228,18 +266,20 @@ def main() -> None:
         base_model, tokenizer = resolve_model(args.model)
         stream = token_stream(tokenizer, load_corpus(args.dataset)["train"]["text"])
         stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
-    sessions = [DecodeSession(preset, convert(base_model, preset).eval().to(args.device)) for preset in args.presets]
-    del base_model
-    measurements = run_benchmark(sessions, stream.to(args.device), args)
+    decoders = [
+        Decoder(preset, convert(base_model, preset).eval().to(device=device, dtype=dtype), compile_mode)
+        for preset in args.presets
+    ]
+    decoders.insert(0, Decoder(BASELINE, base_model.eval().to(device=device, dtype=dtype), compile_mode))
+    measurements = run_benchmark(decoders, stream.to(device), args)
 
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
     weights = ", random weights" if args.random_weights else ""
     hardware = (
-        torch.cuda.get_device_name(torch.device(args.device))
-        if args.device.startswith("cuda")
-        else f"{torch.get_num_threads()} CPU thread(s)"
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
     )
-    title = f"{model_name}{weights}: greedy decoding, {hardware}"
+    how = f"static cache + torch.compile(mode={compile_mode!r})" if compile_mode else "eager, dynamic cache"
+    title = f"{model_name}{weights}: greedy decoding, {args.dtype}, {how}, {hardware}"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])
     print(report)

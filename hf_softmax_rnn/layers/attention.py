@@ -8,7 +8,8 @@ tensor a spec adds: gates, norm weight/bias, hedgehog maps, seqlen power), calls
   "chunked" for finite-state specs when asked);
 - cache and a finite-state spec that fits (`spec.fits_recurrent_state(head_dim)`):
   prefill "chunked", decode "recurrent", carrying the `RecurrentState` in a
-  `RecurrentStateLayer` of the cache (constant memory);
+  `RecurrentStateLayer` of a `DynamicCache` or a `StaticRecurrentStateLayer` of a
+  `StaticCache` (constant memory; the static one updated in place);
 - cache and exact exp (softmax, clamped exp, Taylor orders too large to store): keys and
   values go to the cache's `DynamicLayer` and the queries attend in parallel form (Lq < Lk).
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 from transformers.pytorch_utils import Conv1D
@@ -211,7 +212,7 @@ class SoftmaxRNNAttentionMixin:
         )
         spec = self.attention_spec
         if cache is None:
-            out, _ = attention(query, key, gated_value, spec, mode=self.attention_mode, **common)
+            out, _ = attention(query, key, gated_value, spec, mode=self.attention_mode, return_state=False, **common)
             if self.attention_transfer:
                 teacher = self._teacher_output(query, key, value, attention_mask, teacher_qkv)
                 self.transfer_loss = self._transfer_loss(out, teacher, attention_mask)
@@ -225,6 +226,11 @@ class SoftmaxRNNAttentionMixin:
             out, state = attention(query, key, gated_value, spec, mode=mode, state=layer.state, **common)
             layer.update_state(state, length)
         else:
+            if self.layer_idx < len(cache.layers) and isinstance(cache.layers[self.layer_idx], StaticLayer):
+                raise ValueError(
+                    f"Layer {self.layer_idx} ({spec.describe()}) decodes from a KV cache, which softmax_rnn attention "
+                    "reads from a DynamicCache only; use a StaticCache only when every layer has a recurrent state"
+                )
             key, gated_value = cache.update(key, gated_value, self.layer_idx)
             out, _ = attention(query, key, gated_value, spec, mode="parallel", **common)
         return out.transpose(1, 2).reshape(batch, length, -1)

@@ -1,5 +1,6 @@
 """What the softmax_rnn models share: the attention implementation name, the padding mask,
-weight initialisation and Hub export.
+the swap of transformers' attention modules for the softmax_rnn ones, weight initialisation
+and Hub export.
 
 The models run under their own attention implementation, `ATTN_IMPLEMENTATION`. Its mask
 function (registered with transformers' `AttentionMaskInterface`) hands every attention
@@ -14,7 +15,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, create_causal_mask
+from transformers.modeling_utils import AttentionInterface
+from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from hf_softmax_rnn.hub import RemoteCodeMixin
 from hf_softmax_rnn.layers.attention import RNNParams
@@ -36,20 +40,39 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """Mask function of `ATTN_IMPLEMENTATION`: the 2-D bool padding mask `[B, kv_length]`, or None
-    when no position is padded. Custom mask functions (packed sequences, bidirectional blocks)
-    cannot be expressed as a padding mask and raise."""
+    """Mask function of `ATTN_IMPLEMENTATION`: the last `kv_length` columns of the 2-D bool padding
+    mask, `[B, kv_length]` (a `StaticRecurrentStateLayer` asks for the new positions only, so that a
+    compiled decode step sees one shape), or None without a mask. Outside torch.compile a mask with
+    no padded position also gives None (the ops then skip masking: fewer kernels per layer in eager
+    decoding); under torch.compile the mask's values are never read here (no graph break). Custom
+    mask functions (packed sequences, bidirectional blocks) cannot be expressed as a padding mask
+    and raise."""
     if mask_function is not causal_mask_function:
         raise ValueError(
             "softmax_rnn attention applies causality and a 2-D padding mask only; it got a custom mask function "
             "(packed sequences with restarting position_ids?). Pass an attention_mask, or one sequence per row"
         )
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:
         return None
-    return attention_mask
+    if not is_torchdynamo_compiling() and bool(attention_mask.all()):
+        return None
+    return attention_mask[:, -kv_length:]
 
 
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+
+
+def _computed_by_softmax_rnn_layers(module: torch.nn.Module, *args, **kwargs):
+    """Attention function of `ATTN_IMPLEMENTATION`: never called by the softmax_rnn attention modules
+    (they compute their spec themselves). Registered so that transformers' own inner modules (the
+    `LlamaModel` a `LlamaForCausalLM.__init__` builds) accept the implementation name."""
+    raise ValueError(
+        f"attn_implementation={ATTN_IMPLEMENTATION!r} is computed by softmax_rnn attention modules, not by "
+        f"{type(module).__name__}; build the model with a softmax_rnn model class"
+    )
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _computed_by_softmax_rnn_layers)
 
 
 def _refuse_attention_weights_hook(model, args, kwargs) -> None:
@@ -82,30 +105,77 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
                 "output_attentions"
             )
 
+    #: (block class, attribute, softmax_rnn attention class): the attention module that `post_init` swaps.
+    attention_slot: tuple[type[torch.nn.Module], str, type[torch.nn.Module]]
+
     def post_init(self) -> None:
-        """transformers' `post_init`, plus a check before each forward (the forward keeps its
-        signature, which `generate` reads): `output_attentions=True` raises."""
+        """transformers' `post_init` after swapping each block's attention module for the softmax_rnn one
+        (same parameter names, so state dicts load unchanged), plus a check before each forward (the
+        forward keeps its signature, which `generate` reads): `output_attentions=True` raises."""
+        block_class, name, attention_class = self.attention_slot
+        for block in self.modules():
+            attention = getattr(block, name, None) if isinstance(block, block_class) else None
+            if attention is not None and not isinstance(attention, attention_class):
+                setattr(block, name, attention_class(self.config, attention.layer_idx))
         super().post_init()
         if not getattr(self, "_refuses_attention_weights", False):
             self.register_forward_pre_hook(_refuse_attention_weights_hook, with_kwargs=True)
             self._refuses_attention_weights = True
 
     def generate(self, *args, **kwargs):
-        """transformers' `generate`; refuses an empty prompt, attention weights and, for recurrent-state
-        layers, a static cache, each with a message instead of an error from deep inside."""
+        """transformers' `generate`; refuses an empty prompt, attention weights and a cache it cannot
+        decode from, each with a message instead of an error from deep inside.
+
+        `cache_implementation`: None / "dynamic" (any model), or "static" when every layer has a
+        recurrent state (a `StaticCache` of `StaticRecurrentStateLayer`s, updated in place, which
+        transformers compiles on an accelerator)."""
         self._refuse_attention_weights(kwargs.get("output_attentions"))
         prompt = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(prompt, torch.Tensor) and prompt.shape[-1] == 0:
             raise ValueError("generate got an empty prompt (input_ids with 0 tokens); pass at least one token")
         config = kwargs.get("generation_config") or self.generation_config
         implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-        if implementation not in (None, "dynamic") and self._is_stateful:
-            raise ValueError(
-                f"cache_implementation={implementation!r} is not supported by {type(self).__name__}: its "
-                f"recurrent-state layers ({RECURRENT_LAYER_TYPE}) live in the dynamic cache; leave "
-                "cache_implementation unset"
-            )
+        self._check_cache_implementation(implementation)
         return super().generate(*args, **kwargs)
+
+    def create_masks_for_generate(
+        self,
+        config,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache,
+        position_ids=None,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """The mask `generate` hands a compileable (static) cache's forward: `padding_mask`'s `[B, L]`
+        columns of the new positions, or None (transformers' default returns the growing 2-D mask for
+        layer types it does not know, a new shape, and a recompilation, every step)."""
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+
+    def _check_cache_implementation(self, implementation: str | None) -> None:
+        """Of transformers' static caches only "static" works, and only when every layer decodes from a
+        recurrent state (a KV layer would attend over the whole preallocated length); the dynamic ones
+        are transformers' to check."""
+        if implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+            return
+        if implementation != "static":
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by {type(self).__name__}; of the static "
+                "caches only 'static' is: expected one of [None, 'dynamic', 'offloaded', 'static']"
+            )
+        kv_layers = [i for i, kind in enumerate(self.config.layer_types) if kind != RECURRENT_LAYER_TYPE]
+        if kv_layers:
+            raise ValueError(
+                f"cache_implementation='static' needs every layer to decode from a recurrent state "
+                f"({RECURRENT_LAYER_TYPE}), but layers {kv_layers} of {type(self).__name__} keep a KV cache (exact "
+                "exp); use cache_implementation=None or 'dynamic'"
+            )
 
     @property
     def _is_stateful(self) -> bool:

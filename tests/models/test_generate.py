@@ -203,11 +203,14 @@ def test_window_state_is_constant_in_size(family):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(cache_implementation="static"), "cache_implementation='static' is not supported"),
+        (
+            dict(cache_implementation="offloaded_static"),
+            r"'offloaded_static' is not supported .*expected one of \[None, 'dynamic', 'offloaded', 'static'\]",
+        ),
         (dict(output_attentions=True, return_dict_in_generate=True), "does not return attention weights"),
         (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), "empty prompt"),
     ],
-    ids=["static-cache", "attention-weights", "empty-prompt"],
+    ids=["offloaded-static-cache", "attention-weights", "empty-prompt"],
 )
 def test_generate_refuses_what_it_cannot_do_with_a_message(family, settings, message):
     model = tiny_model(family, "linear_elu")

@@ -1,0 +1,156 @@
+"""`generate(cache_implementation="static")` and compiled decoding from recurrent states, against the
+dynamic cache and uncached recomputation."""
+
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache, StaticCache
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.layers.cache import StaticRecurrentStateLayer
+
+from .helpers import left_padded_batch, tiny_model
+
+GREEDY = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+# finite-state layers: a linear map, order-2 Taylor, and window hybrids whose window (3 / 4 positions)
+# the 10- and 6-token prompts and the 6 new tokens cross
+SPECS = {
+    "linear_elu": "linear_elu",
+    "softmax_taylor_2": "softmax_taylor_2",
+    "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+    "taylor2_l2_window4": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, chunk_size=3
+    ),
+}
+
+
+def assert_same_generation(first, second):
+    assert torch.equal(first.sequences, second.sequences)
+    for step_first, step_second in zip(first.logits, second.logits, strict=True):
+        torch.testing.assert_close(step_first, step_second, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_static_cache_generation_matches_dynamic_cache_and_recomputation(family, name):
+    model = tiny_model(family, SPECS[name])
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert isinstance(static.cache, StaticCache)
+    assert all(isinstance(layer, StaticRecurrentStateLayer) for layer in static.cache.layers)
+    assert_same_generation(static, model.generate(ids, attention_mask=mask, **GREEDY))
+    assert_same_generation(static, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "hedgehog_window3"])
+def test_static_cache_rows_match_their_unpadded_generation(family, name):
+    model = tiny_model(family, SPECS[name])
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    batched = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = model.generate(alone, attention_mask=torch.ones_like(alone), use_cache=False, **GREEDY)
+        new = GREEDY["max_new_tokens"]
+        assert torch.equal(batched.sequences[row, -new:], single.sequences[0, -new:])
+
+
+def _prefilled(model, cache):
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+    return logits[:, -1:].argmax(-1), mask.sum(-1, keepdim=True)
+
+
+def _decode(model, cache, token, position, steps):
+    """Greedy steps fed one token with a one-column mask (what generate passes with a static cache)."""
+    all_logits = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(
+                input_ids=token,
+                attention_mask=torch.ones_like(token),
+                position_ids=position,
+                cache=cache,
+                use_cache=True,
+            ).logits
+        all_logits.append(logits[:, -1])
+        token, position = logits[:, -1:].argmax(-1), position + 1
+    return torch.stack(all_logits)
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "taylor2_l2_window4"])
+def test_static_state_is_updated_in_place(family, name):
+    model = tiny_model(family, SPECS[name])
+    static, dynamic = StaticCache(config=model.config, max_cache_len=32), DynamicCache(config=model.config)
+    token, position = _prefilled(model, static)
+    assert torch.equal(token, _prefilled(model, dynamic)[0])
+    addresses = [[t.data_ptr() for t in layer.state.tensors()] for layer in static.layers]
+    static_logits = _decode(model, static, token, position, steps=4)
+    torch.testing.assert_close(static_logits, _decode(model, dynamic, token, position, steps=4), atol=1e-5, rtol=0)
+    assert [[t.data_ptr() for t in layer.state.tensors()] for layer in static.layers] == addresses
+    assert static.is_compileable and int(static.get_seq_length()) == 10 + 4
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "hedgehog_window3", "softmax_taylor_2"])
+def test_one_compiled_decode_step_has_no_graph_break(family, name):
+    model = tiny_model(family, SPECS[name])
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    token, position = _prefilled(model, cache)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(
+            input_ids=token, attention_mask=torch.ones_like(token), position_ids=position, cache=cache, use_cache=True
+        )
+    breaks = [f"{r.reason} at {r.user_stack[-1].filename}:{r.user_stack[-1].lineno}" for r in explained.break_reasons]
+    assert explained.graph_break_count == 0, "graph breaks in the decode step: " + "; ".join(breaks)
+
+
+@pytest.mark.parametrize("name", ["hedgehog_window3", "softmax_taylor_2"])
+def test_compiled_static_decoding_matches_eager(family, name):
+    """torch.compile of the decode step (the default inductor backend on CPU) through the static cache."""
+    model = tiny_model(family, SPECS[name])
+    eager_cache, compiled_cache = (StaticCache(config=model.config, max_cache_len=32) for _ in range(2))
+    token, position = _prefilled(model, eager_cache)
+    _prefilled(model, compiled_cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(
+        _decode(compiled, compiled_cache, token, position, steps=3),
+        _decode(model, eager_cache, token, position, steps=3),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_static_cache_is_refused_when_a_layer_keeps_a_kv_cache(family):
+    model = tiny_model(family, "linear_elu", layers=[0])
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match=r"layers \[1\] .* keep a KV cache"):
+        model.generate(ids, attention_mask=mask, cache_implementation="static", max_new_tokens=2)
+    with pytest.raises(ValueError, match="decodes from a KV cache"):
+        model(input_ids=ids, attention_mask=mask, cache=StaticCache(config=model.config, max_cache_len=32))
+
+
+def test_generate_hands_a_static_cache_the_new_columns_of_the_mask(family):
+    model = tiny_model(family, "linear_elu")
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    _prefilled(model, cache)
+    ids, mask = left_padded_batch()
+    step = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    embeds = torch.empty(ids.shape[0], 1, 0)
+    made = model.create_masks_for_generate(model.config, embeds, step, cache)
+    assert torch.equal(made, step[:, -1:].bool())
+    assert model.create_masks_for_generate(model.config, embeds, torch.ones_like(step), cache) is None
+
+
+@pytest.mark.parametrize("name", ["hedgehog_window3", "softmax_taylor_2"])
+def test_transformers_compiled_generate_matches_recomputation_without_recompiling(family, name):
+    """generate's own torch.compile of the decode step (forced on CPU), as on an accelerator."""
+    model = tiny_model(family, SPECS[name])
+    ids, mask = left_padded_batch()
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(
+            ids, attention_mask=mask, cache_implementation="static", compile_config=compile_config, **GREEDY
+        )
+    assert_same_generation(compiled, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
