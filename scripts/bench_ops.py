@@ -1,6 +1,10 @@
 """Operator benchmark: forward and forward+backward time and peak memory against length.
 
-Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64). On CPU each
+Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64). On CUDA the rows
+marked "fused" run the GPU kernels (flash-linear-attention for feature maps, this package's
+Triton kernel for Taylor-2; see `hf_softmax_rnn.ops.backends`), the rows marked "PyTorch" the
+same maths without them, and "fla chunk_linear_attn" is flash-linear-attention's own elu linear
+attention on the same shapes (GQA repeated, its own normaliser), for reference. On CPU each
 (variant, mode, length) runs in a forked child process so that peak memory is the process's
 peak resident set size minus its resident size just before the call; on CUDA it runs in
 process and peak memory is the allocator's peak above the inputs. Prints a markdown table
@@ -8,7 +12,7 @@ and writes a PNG.
 
     python scripts/bench_ops.py                       # 512 ... 16384 on CPU
     python scripts/bench_ops.py --lengths 512 1024 --output /tmp/bench
-    python scripts/bench_ops.py --device cuda --output docs/figures/bench_ops_cuda
+    python scripts/bench_ops.py --device cuda --dtype bfloat16 --output docs/figures/bench_ops_cuda_bf16
 """
 
 from __future__ import annotations
@@ -19,22 +23,46 @@ import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hf_softmax_rnn import AttentionSpec
-from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops import attention, backends
+from hf_softmax_rnn.ops.kernels import AttentionParams
 
 SHAPE = dict(batch=1, heads=9, kv_heads=3, head_dim=64)
-#: (label, preset, mode, longest length it is run at: the quadratic forms would need tens of GB).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLA_REFERENCE = "fla"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: `preset` in `mode` up to `max_length` (the quadratic forms would need tens of GB);
+    `fused`: the GPU kernels allowed; `return_state`: False for training without a cache."""
+
+    label: str
+    preset: str
+    mode: str
+    max_length: int
+    fused: bool = True
+    return_state: bool = True
+    cuda_only: bool = False
+
+
 CASES = [
-    ("softmax (SDPA)", "softmax", "parallel", 16384),
-    ("linear elu, parallel", "linear_elu", "parallel", 4096),
-    ("linear elu, chunked", "linear_elu", "chunked", 16384),
-    ("linear elu, recurrent", "linear_elu", "recurrent", 4096),
-    ("Taylor-2, parallel", "softmax_taylor_2", "parallel", 4096),
-    ("Taylor-2, chunked", "softmax_taylor_2", "chunked", 16384),
+    Case("softmax (SDPA)", "softmax", "parallel", 16384),
+    Case("linear elu, parallel", "linear_elu", "parallel", 4096),
+    Case("linear elu, chunked", "linear_elu", "chunked", 16384),
+    Case("linear elu, chunked, PyTorch", "linear_elu", "chunked", 16384, fused=False, cuda_only=True),
+    Case("fla chunk_linear_attn (elu)", FLA_REFERENCE, "chunked", 16384, cuda_only=True),
+    Case("linear elu, recurrent", "linear_elu", "recurrent", 4096),
+    Case("linear hedgehog, chunked", "linear_hedgehog", "chunked", 16384),
+    Case("hedgehog + window 64, chunked", "hedgehog_window_64", "chunked", 16384),
+    Case("Taylor-2, parallel", "softmax_taylor_2", "parallel", 4096),
+    Case("Taylor-2, chunked", "softmax_taylor_2", "chunked", 16384),
+    Case("Taylor-2, no state (Triton)", "softmax_taylor_2", "chunked", 16384, return_state=False, cuda_only=True),
 ]
 
 
@@ -44,22 +72,28 @@ def _rss_bytes() -> int:
 
 
 def run_case(
-    preset: str, mode: str, length: int, backward: bool, repeats: int, chunk_size: int | None, device: str = "cpu"
+    case: Case,
+    length: int,
+    backward: bool,
+    repeats: int,
+    chunk_size: int | None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Time one call (best of `repeats`, after a warm-up call: at the same length on CUDA, at
     256 positions on CPU) and measure its peak memory above the inputs."""
     torch.manual_seed(0)
-    spec = AttentionSpec.from_preset(preset, **({} if chunk_size is None else {"chunk_size": chunk_size}))
-    q, k, v = _inputs(length, backward, device)
+    q, k, v = _inputs(length, backward, device, dtype)
+    forward = _forward(case, chunk_size, device)
     cuda = device.startswith("cuda")
 
     def call() -> float:
         q.grad = k.grad = v.grad = None
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
-            out, _ = attention(q, k, v, spec, mode=mode)
+            out = forward(q, k, v)
             if backward:
-                out.sum().backward()
+                out.float().sum().backward()
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -71,7 +105,7 @@ def run_case(
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        _warm_up(spec, mode, backward)
+        _warm_up(forward, backward)
         baseline = _rss_bytes()
     times = [call() for _ in range(repeats)]
     if cuda:
@@ -81,32 +115,73 @@ def run_case(
     return {"seconds": min(times), "peak_bytes": max(peak - baseline, 0)}
 
 
-def _inputs(length: int, backward: bool, device: str = "cpu") -> list[torch.Tensor]:
+def _inputs(length: int, backward: bool, device: str = "cpu", dtype=torch.float32) -> list[torch.Tensor]:
     """Random q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` of the benchmark's shape."""
     b, h, hkv, d = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
-    return [torch.randn(b, heads, length, d, device=device, requires_grad=backward) for heads in (h, hkv, hkv)]
+    return [
+        torch.randn(b, heads, length, d, device=device, dtype=dtype, requires_grad=backward) for heads in (h, hkv, hkv)
+    ]
 
 
-def _warm_up(spec: AttentionSpec, mode: str, backward: bool, length: int = 256) -> None:
+def _forward(case: Case, chunk_size: int | None, device: str):
+    """The timed function (q, k, v) -> output of one row."""
+    if case.preset == FLA_REFERENCE:
+        return _fla_linear_attention
+    spec = AttentionSpec.from_preset(case.preset, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+    params = _params(spec, device)
+
+    def forward(q, k, v):
+        with backends.fused_kernels(case.fused):
+            return attention(q, k, v, spec, mode=case.mode, params=params, return_state=case.return_state)[0]
+
+    return forward
+
+
+def _params(spec: AttentionSpec, device: str) -> AttentionParams:
+    """Learned tensors as a freshly converted layer has them (random hedgehog maps)."""
+    heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    width = spec.hedgehog_dim or head_dim
+    return AttentionParams(
+        hedgehog_q=0.1 * torch.randn(heads, head_dim, width, device=device),
+        hedgehog_k=0.1 * torch.randn(kv_heads, head_dim, width, device=device),
+        linear_log_scale=torch.zeros(heads, device=device),
+        norm_weight=torch.ones(heads, head_dim, device=device),
+        norm_bias=torch.zeros(heads, head_dim, device=device),
+    )
+
+
+def _fla_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """flash-linear-attention's own normalised elu linear attention (keys repeated per query head)."""
+    import torch.nn.functional as F
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    phi_q, phi_k = (F.elu(x) + 1.0 for x in (q, k))
+    out, _ = chunk_linear_attn(phi_q.transpose(1, 2), phi_k.transpose(1, 2), v.transpose(1, 2), normalize=True)
+    return out.transpose(1, 2)
+
+
+def _warm_up(forward, backward: bool, length: int = 256) -> None:
     """One short call first, so that the timed calls do not also pay for the thread pool's and
     the allocator's first use (a few MiB of peak memory may be reused)."""
     with torch.set_grad_enabled(backward):
-        out, _ = attention(*_inputs(length, backward), spec, mode=mode)
+        out = forward(*_inputs(length, backward))
         if backward:
             out.sum().backward()
 
 
-def _measure(preset, mode, length, backward, repeats, chunk_size, device) -> dict:
+def _measure(case, length, backward, repeats, chunk_size, device, dtype) -> dict:
     """On CUDA in this process; on CPU in a forked child (so its peak RSS is this call's)."""
     if device.startswith("cuda"):
         try:
-            return run_case(preset, mode, length, backward, repeats, chunk_size, device)
+            return run_case(case, length, backward, repeats, chunk_size, device, dtype)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             return {"error": "out of memory"}
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
         try:
-            return pool.submit(run_case, preset, mode, length, backward, repeats, chunk_size).result()
+            return pool.submit(run_case, case, length, backward, repeats, chunk_size, device, dtype).result()
         except (BrokenProcessPool, RuntimeError, MemoryError) as error:
             return {"error": f"{type(error).__name__}: {error}"}
 
@@ -116,7 +191,7 @@ def _format_cell(result: dict | None, key: str) -> str:
         return "-"
     if "error" in result:
         return "error"
-    return f"{result['seconds']:.3f}" if key == "seconds" else f"{result['peak_bytes'] / 2**20:.0f}"
+    return f"{result['seconds'] * 1000:.3g}" if key == "seconds" else f"{result['peak_bytes'] / 2**20:.0f}"
 
 
 def main() -> None:
@@ -130,25 +205,28 @@ def main() -> None:
         help="time the best of this many calls (machines with neighbours vary by 20%%)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of q, k, v")
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
     args = parser.parse_args()
     from tqdm import tqdm
 
+    cuda = args.device.startswith("cuda")
+    cases = [case for case in CASES if cuda or not case.cuda_only]
     results: dict[tuple[str, int, bool], dict] = {}
-    jobs = [(case, n, bw) for case in CASES for n in args.lengths if n <= case[3] for bw in (False, True)]
-    for (label, preset, mode, _), length, backward in tqdm(jobs, desc="bench_ops"):
-        results[label, length, backward] = _measure(
-            preset, mode, length, backward, args.repeats, args.chunk_size, args.device
+    jobs = [(case, n, bw) for case in cases for n in args.lengths if n <= case.max_length for bw in (False, True)]
+    for case, length, backward in tqdm(jobs, desc="bench_ops"):
+        results[case.label, length, backward] = _measure(
+            case, length, backward, args.repeats, args.chunk_size, args.device, DTYPES[args.dtype]
         )
 
     lines = [
-        f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, float32, "
-        f"{_device_name(args.device)}. Time in seconds, peak memory above the inputs in MiB.",
+        f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, {args.dtype}, "
+        f"{_device_name(args.device)}. Time in ms (best of {args.repeats}), peak memory above the inputs in MiB.",
         "",
-        "| variant | " + " | ".join(f"L={n} fwd / fwd+bwd (s)" for n in args.lengths) + " |",
+        "| variant | " + " | ".join(f"L={n} fwd / fwd+bwd (ms)" for n in args.lengths) + " |",
         "|---|" + "---|" * len(args.lengths),
     ]
-    for label, *_ in CASES:
+    for label in (case.label for case in cases):
         cells = [
             f"{_format_cell(results.get((label, n, False)), 'seconds')} / "
             f"{_format_cell(results.get((label, n, True)), 'seconds')}"
@@ -160,7 +238,7 @@ def main() -> None:
         "| variant | " + " | ".join(f"L={n} fwd+bwd peak (MiB)" for n in args.lengths) + " |",
         "|---|" + "---|" * len(args.lengths),
     ]
-    for label, *_ in CASES:
+    for label in (case.label for case in cases):
         lines.append(
             f"| {label} | "
             + " | ".join(_format_cell(results.get((label, n, True)), "peak") for n in args.lengths)
@@ -170,7 +248,7 @@ def main() -> None:
     sdpa = results.get(("softmax (SDPA)", longest, True))
     if sdpa and "error" not in sdpa:
         lines.append("")
-        for label in ("linear elu, chunked", "Taylor-2, chunked"):
+        for label in (case.label for case in cases[1:]):
             other = results.get((label, longest, True))
             if other and "error" not in other:
                 lines.append(
@@ -182,7 +260,7 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".md").write_text(table + "\n")
-    _plot(results, args.lengths, args.output.with_suffix(".png"), _device_name(args.device))
+    _plot(results, cases, args.lengths, args.output.with_suffix(".png"), f"{_device_name(args.device)}, {args.dtype}")
 
 
 def _device_name(device: str) -> str:
@@ -191,14 +269,14 @@ def _device_name(device: str) -> str:
     return f"CPU, {torch.get_num_threads()} threads"
 
 
-def _plot(results: dict, lengths: list[int], path: Path, device_name: str) -> None:
+def _plot(results: dict, cases: list[Case], lengths: list[int], path: Path, device_name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, *_ in CASES:
+    for label in (case.label for case in cases):
         points = [(n, results[label, n, True]) for n in lengths if "seconds" in results.get((label, n, True), {})]
         if points:
             time_axis.plot([n for n, _ in points], [r["seconds"] for _, r in points], marker="o", label=label)

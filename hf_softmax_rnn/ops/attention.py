@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
+from hf_softmax_rnn.ops.backends import polynomial_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
@@ -158,6 +159,7 @@ def attention(
     params: AttentionParams | None = None,
     scale: float | None = None,
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
+    return_state: bool = True,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -177,9 +179,12 @@ def attention(
         scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
             the kernel unless `spec.qk_scale` sets its own.
         max_state_bytes: largest per-KV-head state the finite modes accept.
+        return_state: False when the caller has no use for the new state (training, scoring
+            without a cache); a state-free fused GPU kernel may then run (`ops.backends`).
 
     Returns:
-        `([B, H, L, Dv] output, new RecurrentState or None in parallel mode)`.
+        `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
+        return_state)`.
     """
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params)
@@ -202,12 +207,20 @@ def attention(
 
     out_dtype = q.dtype
     compute_dtype = torch.float32 if out_dtype in _HALF_DTYPES else out_dtype
+    kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
+    needs_state = mode != "parallel" and return_state
+    fused = polynomial_backend(q.device.type, spec, mode, needs_state, head_dim, value_dim)
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
-    kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
 
     new_state, log_shift = None, None
-    if mode == "parallel":
+    if fused == "taylor2":
+        from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
+
+        io = (x.to(out_dtype) for x in (q, k, v))
+        numerator, denominator = taylor2_attention(*io, key_mask, kernel.scale)
+        visible = visible_counts(key_mask, length)
+    elif mode == "parallel":
         scores, log_shift = parallel_scores(
             grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale
         )
@@ -221,11 +234,23 @@ def attention(
             )
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
         augmented, new_state = _finite_state(
-            grouped_q, k, augmented_v, key_mask, state, kernel, mode, spec, softmax_scale, params.linear_log_scale
+            grouped_q,
+            k,
+            augmented_v,
+            key_mask,
+            state,
+            kernel,
+            mode,
+            spec,
+            softmax_scale,
+            params.linear_log_scale,
+            io_dtype=out_dtype,
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
         new_state.t = visible[:, 0, -1]
+        if not return_state:
+            new_state = None
 
     out = normalize(
         numerator.reshape(batch, heads, length, value_dim),
@@ -250,9 +275,11 @@ def _finite_state(
     spec: AttentionSpec,
     window_scale: float,
     linear_log_scale: torch.Tensor | None,
+    io_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
-    state (its `t` is set by the caller). With a window, the finite-state part reads the keys
+    state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
+    kernel reads. With a window, the finite-state part reads the keys
     that leave the window (the buffer first), and the exact part the window itself."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
@@ -263,7 +290,7 @@ def _finite_state(
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size
+            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size, io_dtype
         )
     else:
         linear, packed = recurrent_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel)

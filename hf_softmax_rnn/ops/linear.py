@@ -13,6 +13,8 @@ state `[B, Hkv, F, Dv + 1]`.
   (cosine, hedgehog) run `_ChunkedLinearAttention`, whose custom backward recomputes features
   chunk by chunk through autograd (two sweeps). Neither keeps an L x L matrix or the `[L, F]`
   features: memory is flat in L. The generic path is also the engine's reference in tests.
+- On CUDA tensors with fla-core installed, `chunked_linear_attention` hands feature maps of at
+  most 256 features to flash-linear-attention's kernel (`ops.fla_linear`, `ops.backends`).
 - `recurrent_linear_attention`: one position at a time; the slow, obviously-correct form
   that decoding uses (L = 1) and the tests compare against.
 """
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from hf_softmax_rnn.ops.backends import fla_linear_function
 from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
+from hf_softmax_rnn.ops.fla_linear import fla_chunked_linear_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import FeatureKernel
 
@@ -100,9 +104,19 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 
 
 def chunked_linear_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: FeatureKernel, chunk_size: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    kernel: FeatureKernel,
+    chunk_size: int,
+    io_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position."""
+    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
+    `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's)."""
+    chunk_function = fla_linear_function(q.device.type, state.shape[-2], kernel.clamp)
+    if chunk_function is not None:
+        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype or q.dtype, chunk_function)
     if kernel.hand_written:
         return chunked_kernel_attention(q, k, v, state, kernel, chunk_size)
     return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)

@@ -4,8 +4,9 @@ phi_N(x) = [x^alpha / sqrt(alpha!)]_{|alpha| <= N} lives in the symmetric monomi
 phi_N(q).phi_N(k) = sum_{n<=N} (q.k)^n / n! with C(d+n-1, n) features per order instead
 of d^n (2,145 for d = 64, N = 2).
 
-- `taylor_features` (fast, hand-written backward) / `taylor_features_reference` (one
-  product per monomial).
+- `taylor_features` (fast, hand-written backward; under `torch.compile` the gather form
+  `taylor_features_gathered`, which has no `out=` writes into strided buffers) /
+  `taylor_features_reference` (one product per monomial).
 - `feature_rows` / `feature_rows_backward`: the same features feature-major, `[Bt, F, T]`,
   in reusable buffers: order 2 is x times wrapped shifts of x (three products, no gather),
   higher orders gather rows of the order below.
@@ -243,8 +244,40 @@ def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
     of `_monomials`.
 
     The result is a transposed view of a feature-major `[..., F, T]` buffer (matmuls take it
-    as it is); the backward is hand-written."""
+    as it is); the backward is hand-written. Under `torch.compile` (compiled decoding) the
+    gather form runs instead: one graph, no writes into views."""
+    if torch.compiler.is_compiling():
+        return taylor_features_gathered(x, order)
     return _TaylorFeatures.apply(x, order)
+
+
+@functools.lru_cache(maxsize=32)
+def _gather_plan(head_dim: int, order: int) -> tuple[tuple[tuple[tuple[int, ...], ...], tuple[float, ...]], ...]:
+    """Per order n >= 1: the monomials' indices (rows of an `[F_n, n]` table) and their weights
+    1 / sqrt(alpha!) (plain loops: torch.compile traces this once per head size)."""
+    plan = []
+    for n in range(1, order + 1):
+        monomials = _monomials(head_dim, n)
+        weights = []
+        for monomial in monomials:
+            factorials, run = 1, 1
+            for previous, index in zip(monomial[:-1], monomial[1:]):
+                run = run + 1 if index == previous else 1
+                factorials *= run
+            weights.append(factorials**-0.5)
+        plan.append((monomials, tuple(weights)))
+    return tuple(plan)
+
+
+def taylor_features_gathered(x: torch.Tensor, order: int) -> torch.Tensor:
+    """phi_N(x) as `taylor_features`, from one gather and product per order (plain autograd;
+    `[..., T, F_n, n]` of work per order, so meant for short inputs such as a decode step)."""
+    blocks = [x.new_ones(*x.shape[:-1], 1)]
+    for monomials, weights in _gather_plan(x.shape[-1], order):
+        index = torch.tensor(monomials, device=x.device)
+        scale = torch.tensor(weights, device=x.device, dtype=x.dtype)
+        blocks.append(x[..., index].prod(-1) * scale)
+    return torch.cat(blocks, dim=-1)
 
 
 def taylor_features_reference(x: torch.Tensor, order: int) -> torch.Tensor:

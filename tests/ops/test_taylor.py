@@ -15,6 +15,7 @@ from hf_softmax_rnn.ops import (
     taylor_features,
     taylor_features_reference,
 )
+from hf_softmax_rnn.ops.taylor import taylor_features_gathered
 
 from .helpers import make_inputs
 
@@ -107,6 +108,26 @@ def test_features_match_reference(head_dim, order):
     weights = torch.randn_like(slow)
     grads = [torch.autograd.grad((features * weights).sum(), x)[0] for features in (fast, slow)]
     torch.testing.assert_close(*grads, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("head_dim", [1, 2, 5, 8], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("order", [0, 1, 2, 3], ids=lambda n: f"order{n}")
+def test_gathered_features_match_reference(head_dim, order):
+    """The gather form that compiled decoding uses: same features and gradients as the reference."""
+    x = torch.randn(2, 3, 5, head_dim, dtype=torch.float64, requires_grad=True)
+    gathered, slow = taylor_features_gathered(x, order), taylor_features_reference(x, order)
+    torch.testing.assert_close(gathered, slow, rtol=1e-12, atol=1e-12)
+    if order > 0:
+        weights = torch.randn_like(slow)
+        grads = [torch.autograd.grad((features * weights).sum(), x)[0] for features in (gathered, slow)]
+        torch.testing.assert_close(*grads, rtol=1e-12, atol=1e-12)
+
+
+def test_taylor_features_compile_without_graph_breaks():
+    x = torch.randn(1, 3, 1, 8)
+    explanation = torch._dynamo.explain(lambda t: taylor_features(t, 2))(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.testing.assert_close(torch.compile(lambda t: taylor_features(t, 2))(x), taylor_features_reference(x, 2))
 
 
 @pytest.mark.parametrize("order", [1, 2, 3])

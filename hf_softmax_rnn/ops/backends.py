@@ -1,0 +1,91 @@
+"""Which fused GPU kernel, if any, computes a call of `ops.attention`.
+
+On CUDA tensors two kernels replace the PyTorch forms where they apply (same values, same
+gradients, tested against the float64 references):
+
+- `"fla"`: chunked linear attention on feature-mapped q and k through flash-linear-attention's
+  `chunk_simple_gla` (`pip install hf-softmax-rnn[gpu]`), for feature maps of at most
+  `FLA_MAX_FEATURES` features (elu, relu, identity, cosine, hedgehog, Taylor-1) and for the part
+  of the sliding-window hybrids older than the window. It carries the recurrent state, so it
+  serves training, scoring and prefill alike.
+- `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window,
+  when the caller needs no recurrent state (training and scoring without a cache).
+
+Everything else, and every CPU call, runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
+or `fused_kernels(False)` turns the fused kernels off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+
+#: The widest feature map the fla path takes (its kernels hold K x V state blocks on chip).
+FLA_MAX_FEATURES = 256
+ENV_VARIABLE = "HF_SOFTMAX_RNN_FUSED_KERNELS"
+#: The device types the fused kernels run on (tests add "cpu" to run Triton's interpreter).
+FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+_override: list[bool] = []
+
+
+@contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Turn the fused GPU kernels on or off inside the block (the default is on)."""
+    _override.append(enabled)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def fused_kernels_enabled() -> bool:
+    if _override:
+        return _override[-1]
+    return os.environ.get(ENV_VARIABLE, "1") != "0"
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:  # (transformers' remote-code import check skips imports inside try blocks)
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def fla_chunk_function() -> Callable | None:
+    """flash-linear-attention's `chunk_simple_gla`, or None where fla-core is not installed."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        return None
+    return chunk_simple_gla
+
+
+def fla_linear_function(device_type: str, feature_dim: int, clamp: float | None) -> Callable | None:
+    """fla's chunk function where the chunked recurrence of `feature_dim` features runs in it, else None."""
+    if device_type not in FUSED_DEVICE_TYPES or clamp is not None or not fused_kernels_enabled():
+        return None
+    if feature_dim > FLA_MAX_FEATURES:
+        return None
+    return fla_chunk_function()
+
+
+def polynomial_backend(
+    device_type: str, spec: AttentionSpec, mode: str, needs_state: bool, head_dim: int, value_dim: int
+) -> str | None:
+    """The name of the state-free kernel that computes the call ("taylor2", the Triton kernel), or None."""
+    if device_type not in FUSED_DEVICE_TYPES or needs_state or mode == "recurrent" or not fused_kernels_enabled():
+        return None
+    if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
+        return None
+    if spec.score_clamp is not None or not triton_available():
+        return None
+    from hf_softmax_rnn.ops.triton_taylor import supports
+
+    return "taylor2" if supports(head_dim, value_dim) else None

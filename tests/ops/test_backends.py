@@ -1,0 +1,104 @@
+"""Which calls the fused GPU kernels take (the selection itself; tests/gpu checks the kernels)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.ops import backends
+
+TAYLOR2 = AttentionSpec(kind="recurrent_softmax", taylor_order=2)
+
+
+FLA = object()
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    monkeypatch.setattr(backends, "fla_chunk_function", lambda: FLA)
+
+
+@pytest.mark.parametrize(
+    ("device", "feature_dim", "clamp", "expected"),
+    [
+        ("cuda", 64, None, FLA),
+        ("cuda", 256, None, FLA),
+        ("cuda", 257, None, None),
+        ("cuda", 64, 5.0, None),
+        ("cpu", 64, None, None),
+    ],
+    ids=["elu64", "hedgehog256", "too_wide", "clamped", "cpu"],
+)
+def test_fla_linear_function(device, feature_dim, clamp, expected, installed):
+    assert backends.fla_linear_function(device, feature_dim, clamp) is expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "mode", "needs_state", "head_dim", "expected"),
+    [
+        (TAYLOR2, "parallel", False, 64, "taylor2"),
+        (TAYLOR2, "chunked", False, 64, "taylor2"),
+        (TAYLOR2, "chunked", True, 64, None),
+        (TAYLOR2, "recurrent", False, 64, None),
+        (TAYLOR2, "parallel", False, 48, None),
+        (AttentionSpec(kind="recurrent_softmax", taylor_order=3), "parallel", False, 64, None),
+        (AttentionSpec(kind="recurrent_softmax", taylor_order=2, window=4), "parallel", False, 64, None),
+        (AttentionSpec(kind="linear", feature_map="elu"), "parallel", False, 64, None),
+    ],
+    ids=["parallel", "chunked_no_state", "chunked_state", "recurrent", "head48", "order3", "window", "elu"],
+)
+def test_polynomial_backend(spec, mode, needs_state, head_dim, expected, installed):
+    assert backends.polynomial_backend("cuda", spec, mode, needs_state, head_dim, head_dim) == expected
+
+
+def test_switches_turn_fused_kernels_off(installed, monkeypatch):
+    with backends.fused_kernels(False):
+        assert backends.fla_linear_function("cuda", 64, None) is None
+        with backends.fused_kernels(True):
+            assert backends.fla_linear_function("cuda", 64, None) is FLA
+    monkeypatch.setenv(backends.ENV_VARIABLE, "0")
+    assert backends.fla_linear_function("cuda", 64, None) is None
+    assert backends.polynomial_backend("cuda", TAYLOR2, "parallel", False, 64, 64) is None
+
+
+def test_missing_packages_fall_back(monkeypatch):
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    monkeypatch.setattr(backends, "fla_chunk_function", lambda: None)
+    assert backends.fla_linear_function("cuda", 64, None) is None
+    assert backends.polynomial_backend("cuda", TAYLOR2, "parallel", False, 64, 64) is None
+
+
+def test_package_works_without_triton_and_fla():
+    """Where neither is installed (blocked here), the package imports, never loads them, and computes."""
+    script = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("triton", "fla"):
+                    raise ImportError(f"{name} is blocked")
+
+        for name in [name for name in sys.modules if name.split(".")[0] in ("triton", "fla")]:
+            del sys.modules[name]  # a site hook may have loaded them already
+        sys.meta_path.insert(0, Block())
+        import torch
+        from hf_softmax_rnn import AttentionSpec
+        from hf_softmax_rnn.ops import attention, backends
+
+        backends.FUSED_DEVICE_TYPES = ("cpu",)
+        assert not backends.triton_available() and backends.fla_chunk_function() is None
+        q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
+        taylor = AttentionSpec(kind="recurrent_softmax", taylor_order=2)
+        for spec in (taylor, AttentionSpec(kind="linear", feature_map="elu")):
+            out, _ = attention(q, k, v, spec, mode="chunked", return_state=False)
+            assert torch.isfinite(out).all()
+        assert not [name for name in sys.modules if name.split(".")[0] in ("triton", "fla")]
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
