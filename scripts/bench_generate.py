@@ -201,7 +201,7 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_ALIAS, help="'default', a local dir or a Hub id")
     parser.add_argument(
@@ -235,7 +235,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--output", type=Path, default=Path("docs/figures/bench_generate"), help="writes OUTPUT.png, .md and .json"
     )
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:

@@ -133,6 +133,7 @@ def test_a_broken_python_block_fails(tmp_path):
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"readme_{name}", ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -152,7 +153,19 @@ def check_command(line: str) -> list[str] | None:
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
         assert set(words[1:]) <= set(targets), f"{line}: no such make target"
         return None
-    if words[0] == "python" and words[1] in ("scripts/bench_recovery.py", "scripts/reproduce_paper.py"):
+    if words[:2] == ["pip", "install"]:
+        section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+        declared = re.findall(r"^([\w-]+) = ", section, flags=re.MULTILINE)
+        for requirement in words[2:]:
+            name, _, extras = requirement.partition("[")
+            assert name == "hf-softmax-rnn", f"{line}: installs {name!r}, not this package"
+            assert set(extras.rstrip("]").split(",")) <= set(declared), f"{line}: no such extra"
+        return None
+    if words[0] == "python" and words[1] in (
+        "scripts/bench_recovery.py",
+        "scripts/reproduce_paper.py",
+        "scripts/bench_generate.py",
+    ):
         _script(Path(words[1]).stem).parse_args(words[2:])
         return None
     if words[:2] == ["python", "scripts/finetune.py"]:
@@ -193,6 +206,8 @@ def test_a_renamed_flag_or_bad_value_fails():
         check_command(line.replace("--attention softmax", "--attention softmaxx"))
     with pytest.raises(AssertionError, match="no such make target"):
         check_command("make tests")
+    with pytest.raises(AssertionError, match="no such extra"):
+        check_command('pip install "hf-softmax-rnn[cuda]"')
 
 
 def test_directives_replace_and_collect_runs():

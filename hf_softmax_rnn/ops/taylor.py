@@ -253,10 +253,10 @@ def taylor_features(x: torch.Tensor, order: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _gather_plan(head_dim: int, order: int) -> tuple[tuple[tuple[tuple[int, ...], ...], tuple[float, ...]], ...]:
-    """Per order n >= 1: the monomials' indices (rows of an `[F_n, n]` table) and their weights
-    1 / sqrt(alpha!) (plain loops: torch.compile traces this once per head size)."""
-    plan = []
-    for n in range(1, order + 1):
+    """Per order n = 0..N (n = 0, 1, 2 left empty: `taylor_features_gathered` builds them without a
+    table): the monomials' indices (rows of an `[F_n, n]` table) and their weights 1 / sqrt(alpha!)."""
+    plan = [((), ())] * 3
+    for n in range(3, order + 1):
         monomials = _monomials(head_dim, n)
         weights = []
         for monomial in monomials:
@@ -271,13 +271,32 @@ def _gather_plan(head_dim: int, order: int) -> tuple[tuple[tuple[tuple[int, ...]
 
 def taylor_features_gathered(x: torch.Tensor, order: int) -> torch.Tensor:
     """phi_N(x) as `taylor_features`, from one gather and product per order (plain autograd;
-    `[..., T, F_n, n]` of work per order, so meant for short inputs such as a decode step)."""
+    `[..., T, F_n, n]` of work per order, so meant for short inputs such as a decode step).
+    Orders 1 and 2 index with a few tensor ops, which torch.compile folds at once."""
     blocks = [x.new_ones(*x.shape[:-1], 1)]
-    for monomials, weights in _gather_plan(x.shape[-1], order):
+    if order >= 1:
+        blocks.append(x)
+    if order >= 2:
+        first, second, weight = _order2_pairs(x.shape[-1], x.device, x.dtype)
+        blocks.append(x[..., first] * x[..., second] * weight)
+    for monomials, weights in _gather_plan(x.shape[-1], order)[3:] if order >= 3 else ():
         index = torch.tensor(monomials, device=x.device)
         scale = torch.tensor(weights, device=x.device, dtype=x.dtype)
         blocks.append(x[..., index].prod(-1) * scale)
     return torch.cat(blocks, dim=-1)
+
+
+def _order2_pairs(head_dim: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The order-2 rows of `_monomials` as (first index, second index, weight) vectors: the wrapped
+    diagonals (i, i + s mod D) for s = 0..S, then (i, i + D/2) for i < D/2 when D is even."""
+    rows = torch.arange(head_dim, device=device)
+    shifts = torch.arange(_wrapped_shifts(head_dim) + 1, device=device)
+    half = torch.arange(head_dim // 2 if head_dim % 2 == 0 else 0, device=device)
+    first = torch.cat([rows.repeat(len(shifts)), half])
+    second = torch.cat([((rows[None, :] + shifts[:, None]) % head_dim).flatten(), half + head_dim // 2])
+    weight = torch.ones(len(first), device=device, dtype=dtype)
+    weight[:head_dim] = _SQRT_HALF
+    return first, second, weight
 
 
 def taylor_features_reference(x: torch.Tensor, order: int) -> torch.Tensor:
