@@ -210,6 +210,7 @@ def attention(
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
     needs_state = mode != "parallel" and return_state
     fused = polynomial_backend(q.device.type, spec, mode, needs_state, head_dim, value_dim)
+    caller_qkv = (q, k, v)  # in the caller's dtype, which a fused kernel reads (bf16 for a bf16 model)
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
@@ -217,8 +218,7 @@ def attention(
     if fused == "taylor2":
         from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
 
-        io = (x.to(out_dtype) for x in (q, k, v))
-        numerator, denominator = taylor2_attention(*io, key_mask, kernel.scale)
+        numerator, denominator = taylor2_attention(*caller_qkv, key_mask, kernel.scale)
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(
