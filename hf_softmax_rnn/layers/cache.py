@@ -22,7 +22,27 @@ from hf_softmax_rnn.ops.attention import RecurrentState
 RECURRENT_LAYER_TYPE = "softmax_rnn_recurrent"
 
 
-class RecurrentStateLayer(CacheLayerMixin):
+class _RecurrentStateHolder:
+    """What the dynamic and static recurrent cache layers share: their size, and the refusal of the
+    key/value API (the attention layer reads `state` and writes it with `update_state`)."""
+
+    state: RecurrentState | None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError(
+            f"{type(self).__name__} holds a recurrent state, not keys and values; the attention layer reads "
+            "and writes it with `state` / `update_state` (was the layer given a cache built for another model?)"
+        )
+
+
+class RecurrentStateLayer(_RecurrentStateHolder, CacheLayerMixin):
     """The cache of one attention layer decoded from its recurrent state.
 
     `state` is None until the first forward; `cumulative_length` counts every position
@@ -53,20 +73,7 @@ class RecurrentStateLayer(CacheLayerMixin):
         self.cumulative_length += num_new_positions
         self.is_initialized = True
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes
-
     # ------------------------------------------------------------------ CacheLayerMixin API
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise TypeError(
-            f"{type(self).__name__} holds a recurrent state, not keys and values; the attention layer reads "
-            "and writes it with `state` / `update_state` (was the layer given a cache built for another model?)"
-        )
-
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
@@ -109,7 +116,7 @@ class RecurrentStateLayer(CacheLayerMixin):
             self.state = self.state.map(lambda x: x[indices])
 
 
-class StaticRecurrentStateLayer(StaticLayer):
+class StaticRecurrentStateLayer(_RecurrentStateHolder, StaticLayer):
     """The recurrent state of one attention layer in a `StaticCache`: allocated at the first
     forward (the prefill, which fixes batch size, dtype and device) and then updated in place
     with `copy_`, so that a compiled decode step (CUDA graphs included) sees the same tensors
@@ -151,19 +158,6 @@ class StaticRecurrentStateLayer(StaticLayer):
         if not is_torchdynamo_compiling():
             for tensor in (*self.state.tensors(), self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise TypeError(
-            f"{type(self).__name__} holds a recurrent state, not keys and values; the attention layer reads "
-            "and writes it with `state` / `update_state` (was the layer given a cache built for another model?)"
-        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Only the new positions' padding is needed: the past lives in the state (a fixed mask shape)."""

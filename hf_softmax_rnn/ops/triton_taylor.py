@@ -47,6 +47,14 @@ def _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL: tl.constexpr, P
 
 
 @triton.jit
+def _program(heads, group):
+    """(block index, query head row b * H + h, batch row b, key/value head row b * Hkv + h // G)."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    return tl.program_id(0), bh, b, b * (heads // group) + (bh % heads) // group
+
+
+@triton.jit
 def _load_keys(K, V, MASK, kv, b, start, key_len, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr):
     offs_n = start + tl.arange(0, BN)
     cols = offs_n < key_len
@@ -85,9 +93,7 @@ def _forward_kernel(
     scale, length, key_len, offset, heads, group,
     D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    kv = b * (heads // group) + h // group
+    pid_m, bh, b, kv = _program(heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d, offs_v = tl.arange(0, D), tl.arange(0, DV)
     rows = offs_m < length
@@ -127,9 +133,7 @@ def _backward_query_kernel(
     scale, length, key_len, offset, heads, group,
     D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    kv = b * (heads // group) + h // group
+    pid_m, bh, b, kv = _program(heads, group)
     q, d_num, d_den, offs_m = _load_queries(Q, D_NUM, D_DEN, bh, pid_m * BM, length, D, DV, BM)
     dq = tl.zeros([BM, D], dtype=tl.float32)
     full_end = (pid_m * BM + offset + 1) // BN * BN
@@ -167,9 +171,7 @@ def _backward_key_kernel(
     D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one block of keys for one query head (the caller sums the heads of a group)."""
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    kv = b * (heads // group) + h // group
+    pid_n, bh, b, kv = _program(heads, group)
     k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, pid_n * BN, key_len, D, DV, BN)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
