@@ -223,7 +223,10 @@ class SoftmaxRNNAttentionMixin:
         elif self.uses_recurrent_state:
             layer = recurrent_state_layer(cache, self.layer_idx)
             mode = "recurrent" if length == 1 and layer.state is not None else "chunked"
-            out, state = attention(query, key, gated_value, spec, mode=mode, state=layer.state, **common)
+            in_place = mode == "recurrent" and not torch.is_grad_enabled()  # decoding: the cache owns the state
+            out, state = attention(
+                query, key, gated_value, spec, mode=mode, state=layer.state, update_state_in_place=in_place, **common
+            )
             layer.update_state(state, length)
         else:
             if self.layer_idx < len(cache.layers) and isinstance(cache.layers[self.layer_idx], StaticLayer):

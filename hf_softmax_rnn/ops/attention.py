@@ -160,6 +160,7 @@ def attention(
     scale: float | None = None,
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
     return_state: bool = True,
+    update_state_in_place: bool = False,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -181,6 +182,8 @@ def attention(
         max_state_bytes: largest per-KV-head state the finite modes accept.
         return_state: False when the caller has no use for the new state (training, scoring
             without a cache); a state-free fused GPU kernel may then run (`ops.backends`).
+        update_state_in_place: recurrent mode without autograd (decoding): the finite-state part
+            of `state` is updated in place and the returned state holds the same tensor.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
@@ -188,6 +191,11 @@ def attention(
     """
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params)
+    if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
+        raise ValueError(
+            f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "
+            f"mode={mode!r}, grad enabled={torch.is_grad_enabled()}"
+        )
     spec.check_mode(mode, q.shape[-1], max_state_bytes)
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
@@ -245,6 +253,7 @@ def attention(
             softmax_scale,
             params.linear_log_scale,
             io_dtype=out_dtype,
+            in_place=update_state_in_place,
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -276,6 +285,7 @@ def _finite_state(
     window_scale: float,
     linear_log_scale: torch.Tensor | None,
     io_dtype: torch.dtype | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -293,7 +303,9 @@ def _finite_state(
             q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size, io_dtype
         )
     else:
-        linear, packed = recurrent_linear_attention(q, keys[..., :length, :], values[..., :length, :], packed, kernel)
+        linear, packed = recurrent_linear_attention(
+            q, keys[..., :length, :], values[..., :length, :], packed, kernel, in_place
+        )
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
     valid = torch.cat([state.window_valid, key_mask], dim=-1)

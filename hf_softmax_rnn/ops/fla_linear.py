@@ -54,7 +54,7 @@ def fla_chunked_linear_attention(
     )
     out = out[..., :width].transpose(1, 2).to(q.dtype).reshape(batch, kv_heads, group, length, width)
     final = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :width]
-    return out, final.to(q.dtype)
+    return out, final.to(q.dtype).contiguous()  # one copy per KV head, not a view of all G
 
 
 def chunk_simple_gla_reference(

@@ -130,13 +130,21 @@ def generic_chunked_linear_attention(
 
 
 def recurrent_linear_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: FeatureKernel
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    kernel: FeatureKernel,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """S'_t = S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time."""
+    """S'_t = S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time.
+    `in_place`: add to `state` itself (decoding without autograd: one read and one write of the
+    state per step instead of a new tensor that a cache then copies back)."""
     phi_q = kernel.query_features(q)
     phi_k = kernel.key_features(k)
     outputs = []
     for t in range(q.shape[-2]):
-        state = state + phi_k[..., t, :, None] @ v[..., t, None, :]
+        update = phi_k[..., t, :, None] @ v[..., t, None, :]
+        state = state.add_(update) if in_place else state + update
         outputs.append(phi_q[..., t, :] @ state)
     return torch.stack(outputs, dim=-2), state

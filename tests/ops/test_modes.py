@@ -139,3 +139,36 @@ def test_property_modes_agree(name, batch, kv_heads, groups, length, head_dim, c
     assert torch.isfinite(parallel).all()
     torch.testing.assert_close(chunked, parallel, rtol=1e-7, atol=1e-8)
     torch.testing.assert_close(recurrent, parallel, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "softmax_taylor_2", "hedgehog_window_64"])
+def test_recurrent_state_updated_in_place_matches_a_new_state(name):
+    """Decoding without autograd may add to the state itself: same outputs, same new state, and the
+    returned state holds the tensor that was passed in."""
+    spec = FINITE_SPECS[name]
+    q, k, v, _ = make_inputs(length=5)
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, 5, [0, 2])
+    _, prefilled = attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], spec, mode="chunked",
+                             attention_mask=mask[:, :4], params=params)  # fmt: skip
+    step = dict(attention_mask=mask, params=params, mode="recurrent")
+    with torch.no_grad():
+        expected, expected_state = attention(q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], spec, state=prefilled, **step)
+        packed = prefilled.packed.clone()
+        prefilled.packed = packed
+        out, state = attention(
+            q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], spec, state=prefilled, update_state_in_place=True, **step
+        )
+    assert state.packed is packed
+    torch.testing.assert_close(out, expected, **TOL)
+    for got, want in zip(state.tensors(), expected_state.tensors()):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_in_place_update_is_refused_with_autograd_or_outside_recurrent_mode():
+    spec = FINITE_SPECS["linear_elu"]
+    q, k, v, _ = make_inputs(length=1)
+    with pytest.raises(ValueError, match="update_state_in_place needs mode='recurrent' without autograd"):
+        attention(q, k, v, spec, mode="recurrent", update_state_in_place=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="got mode='chunked'"):
+        attention(q, k, v, spec, mode="chunked", update_state_in_place=True)
