@@ -23,8 +23,9 @@ RECURRENT_LAYER_TYPE = "softmax_rnn_recurrent"
 
 
 class _RecurrentStateHolder:
-    """What the dynamic and static recurrent cache layers share: their size, and the refusal of the
-    key/value API (the attention layer reads `state` and writes it with `update_state`)."""
+    """What the dynamic and static recurrent cache layers share: their size, the refusal of the
+    key/value API (the attention layer reads `state` and writes it with `update_state`) and of
+    cropping (a state has summed the positions in)."""
 
     state: RecurrentState | None
 
@@ -40,6 +41,13 @@ class _RecurrentStateHolder:
             f"{type(self).__name__} holds a recurrent state, not keys and values; the attention layer reads "
             "and writes it with `state` / `update_state` (was the layer given a cache built for another model?)"
         )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"{type(self).__name__} cannot remove {abs(tokens_to_remove)} tokens: a recurrent state has summed "
+                "them in (assisted and speculative decoding need a croppable KV cache)"
+            )
 
 
 class RecurrentStateLayer(_RecurrentStateHolder, CacheLayerMixin):
@@ -87,13 +95,6 @@ class RecurrentStateLayer(_RecurrentStateHolder, CacheLayerMixin):
         self.state = None
         self.cumulative_length = 0
         self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise ValueError(
-                f"{type(self).__name__} cannot remove {abs(tokens_to_remove)} tokens: a recurrent state has summed "
-                "them in (assisted and speculative decoding need a croppable KV cache)"
-            )
 
     def offload(self) -> None:
         if self.state is not None:
@@ -172,13 +173,6 @@ class StaticRecurrentStateLayer(_RecurrentStateHolder, StaticLayer):
             for tensor in self.state.tensors():
                 tensor.zero_()
         self.cumulative_length.zero_()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise ValueError(
-                f"{type(self).__name__} cannot remove {abs(tokens_to_remove)} tokens: a recurrent state has summed "
-                "them in (assisted and speculative decoding need a croppable KV cache)"
-            )
 
     def offload(self) -> None:
         raise ValueError(f"{type(self).__name__} keeps fixed tensor addresses and cannot be offloaded")
