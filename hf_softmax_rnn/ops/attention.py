@@ -217,16 +217,16 @@ def attention(
     compute_dtype = torch.float32 if out_dtype in _HALF_DTYPES else out_dtype
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
     needs_state = mode != "parallel" and return_state
-    fused = polynomial_backend(q.device.type, spec, mode, needs_state, head_dim, value_dim)
-    caller_qkv = (q, k, v)  # in the caller's dtype, which a fused kernel reads (bf16 for a bf16 model)
-    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
+    if fused is None:  # a fused kernel reads the caller's dtype (bf16 for a bf16 model) and accumulates in fp32
+        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
     new_state, log_shift = None, None
     if fused == "taylor2":
         from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
 
-        numerator, denominator = taylor2_attention(*caller_qkv, key_mask, kernel.scale)
+        numerator, denominator = taylor2_attention(q, k, v, key_mask, kernel.scale)
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(

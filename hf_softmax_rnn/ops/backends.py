@@ -11,7 +11,7 @@ gradients, tested against the float64 references):
 - `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window,
   when the caller needs no recurrent state (training and scoring without a cache).
 
-Everything else, and every CPU call, runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
+Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
 or `fused_kernels(False)` turns the fused kernels off (for comparisons).
 """
 
@@ -22,10 +22,15 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
+
 from hf_softmax_rnn.attention_spec import AttentionSpec
 
-#: The widest feature map the fla path takes (its kernels hold K x V state blocks on chip).
+#: The widest feature map sent to fla (checked on a GPU at 64 and 128 features: elu, hedgehog);
+#: wider maps, Taylor-2 at D = 64 among them, run the PyTorch forms.
 FLA_MAX_FEATURES = 256
+#: The dtypes the fused kernels read (float64 runs the PyTorch forms).
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENV_VARIABLE = "HF_SOFTMAX_RNN_FUSED_KERNELS"
 #: The device types the fused kernels run on (tests add "cpu" to run Triton's interpreter).
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -67,9 +72,14 @@ def fla_chunk_function() -> Callable | None:
     return chunk_simple_gla
 
 
-def fla_linear_function(device_type: str, feature_dim: int, clamp: float | None) -> Callable | None:
-    """fla's chunk function where the chunked recurrence of `feature_dim` features runs in it, else None."""
-    if device_type not in FUSED_DEVICE_TYPES or clamp is not None or not fused_kernels_enabled():
+def _fused_device(device_type: str, dtype: torch.dtype) -> bool:
+    return device_type in FUSED_DEVICE_TYPES and dtype in FUSED_DTYPES and fused_kernels_enabled()
+
+
+def fla_linear_function(device_type: str, dtype: torch.dtype, feature_dim: int, clamp: float | None) -> Callable | None:
+    """fla's chunk function where the chunked recurrence of `feature_dim` features read in `dtype`
+    runs in it, else None."""
+    if not _fused_device(device_type, dtype) or clamp is not None:
         return None
     if feature_dim > FLA_MAX_FEATURES:
         return None
@@ -77,10 +87,16 @@ def fla_linear_function(device_type: str, feature_dim: int, clamp: float | None)
 
 
 def polynomial_backend(
-    device_type: str, spec: AttentionSpec, mode: str, needs_state: bool, head_dim: int, value_dim: int
+    device_type: str,
+    dtype: torch.dtype,
+    spec: AttentionSpec,
+    mode: str,
+    needs_state: bool,
+    head_dim: int,
+    value_dim: int,
 ) -> str | None:
     """The name of the state-free kernel that computes the call ("taylor2", the Triton kernel), or None."""
-    if device_type not in FUSED_DEVICE_TYPES or needs_state or mode == "recurrent" or not fused_kernels_enabled():
+    if not _fused_device(device_type, dtype) or needs_state or mode == "recurrent":
         return None
     if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
         return None

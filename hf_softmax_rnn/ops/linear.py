@@ -114,9 +114,10 @@ def chunked_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
     `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's)."""
-    chunk_function = fla_linear_function(q.device.type, state.shape[-2], kernel.clamp)
+    io_dtype = io_dtype or q.dtype
+    chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
-        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype or q.dtype, chunk_function)
+        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype, chunk_function)
     if kernel.hand_written:
         return chunked_kernel_attention(q, k, v, state, kernel, chunk_size)
     return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import backends
@@ -33,7 +34,7 @@ def installed(monkeypatch):
     ids=["elu64", "hedgehog256", "too_wide", "clamped", "cpu"],
 )
 def test_fla_linear_function(device, feature_dim, clamp, expected, installed):
-    assert backends.fla_linear_function(device, feature_dim, clamp) is expected
+    assert backends.fla_linear_function(device, torch.float32, feature_dim, clamp) is expected
 
 
 @pytest.mark.parametrize(
@@ -51,24 +52,29 @@ def test_fla_linear_function(device, feature_dim, clamp, expected, installed):
     ids=["parallel", "chunked_no_state", "chunked_state", "recurrent", "head48", "order3", "window", "elu"],
 )
 def test_polynomial_backend(spec, mode, needs_state, head_dim, expected, installed):
-    assert backends.polynomial_backend("cuda", spec, mode, needs_state, head_dim, head_dim) == expected
+    assert backends.polynomial_backend("cuda", torch.bfloat16, spec, mode, needs_state, head_dim, head_dim) == expected
+
+
+def test_float64_runs_the_pytorch_forms(installed):
+    assert backends.fla_linear_function("cuda", torch.float64, 64, None) is None
+    assert backends.polynomial_backend("cuda", torch.float64, TAYLOR2, "parallel", False, 64, 64) is None
 
 
 def test_switches_turn_fused_kernels_off(installed, monkeypatch):
     with backends.fused_kernels(False):
-        assert backends.fla_linear_function("cuda", 64, None) is None
+        assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
         with backends.fused_kernels(True):
-            assert backends.fla_linear_function("cuda", 64, None) is FLA
+            assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is FLA
     monkeypatch.setenv(backends.ENV_VARIABLE, "0")
-    assert backends.fla_linear_function("cuda", 64, None) is None
-    assert backends.polynomial_backend("cuda", TAYLOR2, "parallel", False, 64, 64) is None
+    assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
+    assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
 
 
 def test_missing_packages_fall_back(monkeypatch):
     monkeypatch.setattr(backends, "triton_available", lambda: False)
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: None)
-    assert backends.fla_linear_function("cuda", 64, None) is None
-    assert backends.polynomial_backend("cuda", TAYLOR2, "parallel", False, 64, 64) is None
+    assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
+    assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
 
 
 def test_package_works_without_triton_and_fla():

@@ -32,6 +32,7 @@ def reference_fla(monkeypatch):
         return chunk_simple_gla_reference(*args, **kwargs)
 
     monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(backends, "FUSED_DTYPES", (*backends.FUSED_DTYPES, torch.float64))  # the float64 statement
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: counted)
     return calls
 
