@@ -12,12 +12,15 @@ clock is read.
     python scripts/bench_generate.py                     # 128 ... 16384, writes docs/figures/bench_generate.*
     python scripts/bench_generate.py --contexts 128 1024 --steps 4 --rounds 1
     python scripts/bench_generate.py --device cuda --dtype bfloat16 --compile   # static caches + CUDA graphs
+    python scripts/bench_generate.py --device cuda --dtype bfloat16 --cuda-graph   # the same graphs, no compile
     python scripts/bench_generate.py --device cuda --random-weights --model CONFIG_DIR   # speed only, no checkpoint
 
 `--compile` decodes every model (the plain one included) through transformers' `StaticCache`
 (a `StaticRecurrentStateLayer` per recurrent layer, updated in place), with the forward wrapped in
 `torch.compile(mode=--compile-mode)`: "reduce-overhead" (CUDA graphs) by default on a GPU,
-"default" elsewhere. Without it, every model decodes eagerly from a `DynamicCache`.
+"default" elsewhere. `--cuda-graph` decodes through the same static caches with each step recorded
+once as a CUDA graph and replayed (`hf_softmax_rnn.decoding.GraphedDecodeStep`: no compile, the
+eager step's kernels). Without either, every model decodes eagerly from a `DynamicCache`.
 
 `--random-weights` builds the model from its config alone with random weights and feeds random
 token ids: the cost per token does not depend on the weights, so a GPU machine needs only a
@@ -44,6 +47,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.decoding import GraphedDecodeStep
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
 from hf_softmax_rnn.layers.cache import cache_nbytes
 
@@ -67,23 +71,25 @@ class Measurement:
 
 
 class Decoder:
-    """One model, its decode step (eager, or compiled over a static cache) and the cache it is on."""
+    """One model, its decode step and the cache it is on: eager over a `DynamicCache`, or over a
+    `StaticCache` compiled (`compile_mode`) or recorded as a CUDA graph (`cuda_graph`)."""
 
-    def __init__(self, name: str, model, compile_mode: str | None) -> None:
+    def __init__(self, name: str, model, compile_mode: str | None = None, cuda_graph: bool = False) -> None:
         self.name = name
         self.model = model
         self.compiled = compile_mode is not None
-        self.step = torch.compile(model, mode=compile_mode) if self.compiled else model
+        self.cuda_graph = cuda_graph
+        self.forward = torch.compile(model, mode=compile_mode) if self.compiled else model
         self.cache = None
+        self.graphed_step: GraphedDecodeStep | None = None
         self.next_token: torch.Tensor | None = None
 
     @torch.no_grad()
     def prefill(self, stream: torch.Tensor, length: int, capacity: int, chunk: int) -> float:
         """A fresh cache (room for `capacity` positions if static) fed `stream[:length]` eagerly; seconds."""
         config = self.model.config
-        self.cache = (
-            StaticCache(config=config, max_cache_len=capacity) if self.compiled else DynamicCache(config=config)
-        )
+        static = self.compiled or self.cuda_graph
+        self.cache = StaticCache(config=config, max_cache_len=capacity) if static else DynamicCache(config=config)
         _synchronize(stream.device)
         start = time.perf_counter()
         for begin in range(0, length, chunk):
@@ -91,7 +97,16 @@ class Decoder:
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
             self.next_token = logits[:, -1:].argmax(-1)
         _synchronize(stream.device)
+        self.graphed_step = GraphedDecodeStep(self.model, self.cache) if self.cuda_graph else None
         return time.perf_counter() - start
+
+    def step(self) -> torch.Tensor:
+        """The logits `[B, 1, V]` of one decode step fed `next_token`."""
+        if self.graphed_step is not None:
+            return self.graphed_step(self.next_token)
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph may reuse its output buffers
+        return self.forward(input_ids=self.next_token, cache=self.cache, use_cache=True).logits
 
     @torch.no_grad()
     def decode(self, steps: int) -> list[float]:
@@ -101,13 +116,14 @@ class Decoder:
         _synchronize(device)
         for _ in range(steps):
             start = time.perf_counter()
-            if self.compiled:
-                torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph may reuse its output buffers
-            logits = self.step(input_ids=self.next_token, cache=self.cache, use_cache=True).logits
-            self.next_token = logits[:, -1:].argmax(-1).clone()
+            self.next_token = self.step()[:, -1:].argmax(-1).clone()
             _synchronize(device)
             latencies.append(time.perf_counter() - start)
         return latencies
+
+    def release(self) -> None:
+        """Drop the cache and the recorded graph (and the memory they hold)."""
+        self.cache = self.graphed_step = None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -138,7 +154,7 @@ def run_benchmark(decoders: list[Decoder], stream: torch.Tensor, args) -> list[M
             )
             logger.info("%s", measurement)
             measurements.append(measurement)
-            decoder.cache = None
+            decoder.release()
     return measurements
 
 
@@ -227,6 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile mode (default: reduce-overhead, i.e. CUDA graphs, on cuda; default elsewhere)",
     )
     parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode through a StaticCache with each step replayed from a CUDA graph (GraphedDecodeStep; no compile)",
+    )
+    parser.add_argument(
         "--random-weights",
         action="store_true",
         help="build --model from its config with random weights; random token ids",
@@ -245,6 +266,13 @@ def main() -> None:
         raise ValueError(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         raise ValueError("--warmup, --steps and --rounds must be at least 1")
+    if args.compile and args.cuda_graph:
+        raise ValueError("--compile and --cuda-graph are two ways to decode; pass one of them")
+    if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
+        raise ValueError(
+            f"--cuda-graph needs --device cuda (got {args.device!r}) and --warmup >= 2 (got {args.warmup}): "
+            "the first step runs eagerly, the second records the graph"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.presets is None:
@@ -267,10 +295,11 @@ def main() -> None:
         stream = token_stream(tokenizer, load_corpus(args.dataset)["train"]["text"])
         stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
     decoders = [
-        Decoder(preset, convert(base_model, preset).eval().to(device=device, dtype=dtype), compile_mode)
-        for preset in args.presets
+        Decoder(name, convert(base_model, name).eval().to(device=device, dtype=dtype), compile_mode, args.cuda_graph)
+        for name in args.presets
     ]
-    decoders.insert(0, Decoder(BASELINE, base_model.eval().to(device=device, dtype=dtype), compile_mode))
+    baseline = base_model.eval().to(device=device, dtype=dtype)
+    decoders.insert(0, Decoder(BASELINE, baseline, compile_mode, args.cuda_graph))
     measurements = run_benchmark(decoders, stream.to(device), args)
 
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
@@ -278,7 +307,11 @@ def main() -> None:
     hardware = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
     )
-    how = f"static cache + torch.compile(mode={compile_mode!r})" if compile_mode else "eager, dynamic cache"
+    how = "eager, dynamic cache"
+    if compile_mode:
+        how = f"static cache + torch.compile(mode={compile_mode!r})"
+    elif args.cuda_graph:
+        how = "static cache + CUDA graph per step (GraphedDecodeStep)"
     title = f"{model_name}{weights}: greedy decoding, {args.dtype}, {how}, {hardware}"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])

@@ -161,7 +161,7 @@ def feature_rows(xt: torch.Tensor, order: int, scratch: Scratch, name: str = "fe
     batch, head_dim, tokens = xt.shape
     offsets = _order_offsets(head_dim, order)
     features = scratch(name, (batch, offsets[-1], tokens), xt)
-    features[:, 0] = 1.0
+    features[:, 0].fill_(1.0)
     if order >= 1:
         features[:, 1 : 1 + head_dim] = xt
     if order >= 2:

@@ -18,6 +18,8 @@ D and Dv must be powers of two between 16 and 256.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # imported only where triton is installed (ops.backends checks); the try block also keeps
@@ -26,8 +28,21 @@ try:  # imported only where triton is installed (ops.backends checks); the try b
 except ImportError as error:
     raise ImportError("the fused Taylor-2 kernel needs triton: pip install 'hf-softmax-rnn[gpu]'") from error
 
-BLOCK_M = 64
-BLOCK_N = 64
+
+def _configs(blocks: tuple[tuple[int, int, int, int], ...], interpreted: tuple[int, int]) -> list:
+    """`triton.Config`s from (BM, BN, num_warps, num_stages); in the interpreter the one small,
+    unequal (BM, BN) `interpreted`, so that CPU tests cross many blocks of both sizes."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BM": interpreted[0], "BN": interpreted[1]})]
+    return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in blocks]
+
+
+#: Candidate (query block BM, key block BN, warps, stages) per kernel, timed once per head size and
+#: precision by `triton.autotune` at the first call (the key kernel walks query blocks of BM rows).
+FORWARD_CONFIGS = _configs(((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)), interpreted=(32, 16))
+QUERY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)), interpreted=(16, 32))
+KEY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)), interpreted=(16, 32))
+TUNING_KEY = ["D", "DV", "PRECISION"]
 
 
 def supports(head_dim: int, value_dim: int) -> bool:
@@ -87,6 +102,7 @@ def _forward_step(
     return acc, den + tl.sum(a, 1)
 
 
+@triton.autotune(configs=FORWARD_CONFIGS, key=TUNING_KEY)
 @triton.jit
 def _forward_kernel(
     Q, K, V, MASK, NUM, DEN,
@@ -127,6 +143,7 @@ def _query_step(
     return dq + tl.dot(d_x.to(k.dtype), k, input_precision=PRECISION)
 
 
+@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY)
 @triton.jit
 def _backward_query_kernel(
     Q, K, V, MASK, D_NUM, D_DEN, DQ,
@@ -164,6 +181,7 @@ def _key_step(
     return dk, dv
 
 
+@triton.autotune(configs=KEY_GRAD_CONFIGS, key=TUNING_KEY)
 @triton.jit
 def _backward_key_kernel(
     Q, K, V, MASK, D_NUM, D_DEN, DK, DV_OUT,
@@ -198,8 +216,12 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple:
 
 
 def _meta(q: torch.Tensor, v: torch.Tensor) -> dict:
-    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-    return {"D": q.shape[-1], "DV": v.shape[-1], "BM": BLOCK_M, "BN": BLOCK_N, "PRECISION": precision}
+    """Head sizes and the products' precision: float32 products as torch's own float32 matmuls
+    (`torch.set_float32_matmul_precision`: "highest", the default, is exact float32, slow without
+    tensor cores; "high" or "medium" allow TF32); half-precision inputs use tensor cores anyway."""
+    exact = q.dtype == torch.float64 or (q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest")
+    precision = "ieee" if exact else "tf32"
+    return {"D": q.shape[-1], "DV": v.shape[-1], "PRECISION": precision}
 
 
 class _Taylor2Attention(torch.autograd.Function):
@@ -210,7 +232,7 @@ class _Taylor2Attention(torch.autograd.Function):
         batch, heads, length, _ = q.shape
         num = torch.empty(batch, heads, length, v.shape[-1], device=q.device, dtype=torch.float32)
         den = torch.empty(batch, heads, length, device=q.device, dtype=torch.float32)
-        grid = (triton.cdiv(length, BLOCK_M), batch * heads)
+        grid = lambda meta: (triton.cdiv(length, meta["BM"]), batch * heads)  # noqa: E731
         _forward_kernel[grid](q, k, v, mask, num, den, *_launch_args(q, k, scale), **_meta(q, v))
         ctx.save_for_backward(q, k, v, mask)
         ctx.scale = scale
@@ -225,11 +247,11 @@ class _Taylor2Attention(torch.autograd.Function):
         d_den = d_den.to(torch.float32).contiguous()
         args, meta = _launch_args(q, k, ctx.scale), _meta(q, v)
         dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        grid_q = (triton.cdiv(length, BLOCK_M), batch * heads)
+        grid_q = lambda meta: (triton.cdiv(length, meta["BM"]), batch * heads)  # noqa: E731
         _backward_query_kernel[grid_q](q, k, v, mask, d_num, d_den, dq, *args, **meta)
         dk = torch.empty(batch, heads, key_len, head_dim, device=q.device, dtype=torch.float32)
         dv = torch.empty(batch, heads, key_len, v.shape[-1], device=q.device, dtype=torch.float32)
-        grid_k = (triton.cdiv(key_len, BLOCK_N), batch * heads)
+        grid_k = lambda meta: (triton.cdiv(key_len, meta["BN"]), batch * heads)  # noqa: E731
         _backward_key_kernel[grid_k](q, k, v, mask, d_num, d_den, dk, dv, *args, **meta)
         group = heads // kv_heads
         dk = dk.view(batch, kv_heads, group, key_len, head_dim).sum(2)

@@ -109,3 +109,17 @@ def test_attention_with_kernel_matches_pytorch_forms(name, mode, fused_on_this_d
     torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-5)
     for got, want in zip(fused_grads, torch_grads):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
+def test_float32_products_follow_torch_matmul_precision(setting, expected):
+    from hf_softmax_rnn.ops.triton_taylor import _meta
+
+    q = torch.zeros(1, 1, 4, 16)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        assert _meta(q, q)["PRECISION"] == expected
+        assert _meta(q.bfloat16(), q.bfloat16())["PRECISION"] == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(previous)

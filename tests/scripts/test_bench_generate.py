@@ -59,3 +59,10 @@ def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
     result, printed = _run(tmp_path, monkeypatch, capsys, "--compile", "--presets", "linear_elu")
     _check(result, printed, ["linear_elu"])
     assert "static cache + torch.compile(mode='default')" in printed
+
+
+def test_cuda_graph_decoding_needs_a_gpu_and_two_warm_up_steps(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="--cuda-graph needs --device cuda \\(got 'cpu'\\)"):
+        _run(tmp_path, monkeypatch, capsys, "--cuda-graph")
+    with pytest.raises(ValueError, match="--compile and --cuda-graph are two ways to decode"):
+        _run(tmp_path, monkeypatch, capsys, "--cuda-graph", "--compile")

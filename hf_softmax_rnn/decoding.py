@@ -1,0 +1,124 @@
+"""Token-by-token decoding on a GPU with one CUDA-graph launch per token instead of one per kernel.
+
+Eager decoding of a 30-layer model launches hundreds of small kernels per token, so on a GPU it is
+bound by launch overhead, not by the bytes of its state. `GraphedDecodeStep` records one decode step
+over a prefilled `StaticCache` (whose recurrent states and positions are tensors updated in place)
+as a CUDA graph, then replays it per token. It needs no `torch.compile` (recording costs one
+forward), and it gives the eager step's numbers.
+
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+    logits = model(input_ids=prompt, cache=cache, use_cache=True).logits   # prefill, eager
+    step = GraphedDecodeStep(model, cache)
+    token = logits[:, -1:].argmax(-1)
+    for _ in range(new_tokens):
+        token = step(token)[:, -1:].argmax(-1)      # logits [B, 1, V], overwritten by the next step
+
+A step feeds one new token per row with no attention mask. Recurrent layers kept the prompt's
+padding out of their states at prefill, so left-padded prompts decode correctly when the caller
+passes each row's `position_ids`; a KV layer (an unmodified transformers model) would attend to the
+padded prompt positions, so `prompt_mask` with padding is refused for a model with KV layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StaticCache
+
+__all__ = ["GraphedDecodeStep"]
+
+
+class GraphedDecodeStep:
+    """`model(input_ids [B, 1], cache=cache)` recorded as a CUDA graph at the call after `eager_steps`
+    eager ones (which warm up kernels and allocations), then replayed; every call decodes a real token.
+
+    Args:
+        model: a causal LM on a CUDA device, in eval mode.
+        cache: a prefilled `StaticCache` of that model, with room for the tokens still to decode.
+        prompt_mask: the prompt's `[B, prompt_len]` attention mask, if it had one (checked, see above).
+        eager_steps: calls run eagerly before recording (at least 1).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticCache,
+        prompt_mask: torch.Tensor | None = None,
+        eager_steps: int = 1,
+    ) -> None:
+        if not isinstance(cache, StaticCache):
+            raise TypeError(
+                f"GraphedDecodeStep needs a StaticCache (fixed tensor addresses); got {type(cache).__name__}"
+            )
+        if int(cache.get_seq_length()) == 0:
+            raise ValueError("GraphedDecodeStep needs a prefilled cache: run the prompt through the model first")
+        if eager_steps < 1:
+            raise ValueError(
+                f"eager_steps={eager_steps} is not allowed; expected at least 1 (a warm-up before recording)"
+            )
+        kv_layers = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "holds_recurrent_state", False)]
+        if kv_layers and prompt_mask is not None and not bool(prompt_mask.all()):
+            raise ValueError(
+                f"layers {kv_layers} keep a KV cache, which a graphed step (no attention mask) would let attend to the "
+                "padded prompt positions; decode padded prompts with generate(), or prompts without padding"
+            )
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"GraphedDecodeStep records CUDA graphs; the model is on {device}, expected a cuda device")
+        self.model = model
+        self.device = device
+        self.cache = cache
+        self.eager_steps_left = eager_steps
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.input_ids: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self._with_positions: bool | None = None
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True).logits
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per row: input_ids (and position_ids, given on every call or on none) `[B, 1]`;
+        returns the logits `[B, 1, V]`, a buffer that the next call overwrites (clone to keep)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; a decode step takes [batch, 1]")
+        if self._with_positions is None:
+            self._with_positions = position_ids is not None
+        elif self._with_positions != (position_ids is not None):
+            given = "without" if position_ids is None else "with"
+            raise ValueError(f"called {given} position_ids, unlike the first call; pass them on every call or on none")
+        if self.graph is None and self.eager_steps_left > 0:
+            self.eager_steps_left -= 1
+            return self._on_side_stream(lambda: self._forward(input_ids, position_ids))
+        if self.graph is None:
+            self._record(input_ids, position_ids)
+        if input_ids.shape != self.input_ids.shape:
+            raise ValueError(
+                f"input_ids of shape {tuple(input_ids.shape)}; the graph was recorded for {tuple(self.input_ids.shape)}"
+            )
+        self.input_ids.copy_(input_ids)
+        if position_ids is not None:
+            self.position_ids.copy_(position_ids)
+        self.graph.replay()
+        return self.logits
+
+    def _on_side_stream(self, run):
+        """Run eagerly on a side stream, as warm-ups before recording a CUDA graph should; the result
+        is handed to the current stream."""
+        current = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            result = run()
+        current.wait_stream(stream)
+        result.record_stream(current)
+        return result
+
+    def _record(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """Record one step; recording runs nothing, so the cache is unchanged until the first replay."""
+        self.input_ids = input_ids.clone()
+        self.position_ids = None if position_ids is None else position_ids.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward(self.input_ids, self.position_ids)

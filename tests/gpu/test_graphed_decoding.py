@@ -1,0 +1,83 @@
+"""`GraphedDecodeStep` on a GPU: replayed steps give the eager static-cache steps' logits and tokens
+(unmodified transformers models and converted ones, left-padded prompts with position_ids), and the
+cache advances with every replay.
+
+Marked `gpu`: CI (CPU only) deselects them; on a GPU machine run `pytest -m gpu tests/gpu`.
+"""
+
+import pytest
+import torch
+from transformers import StaticCache
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.decoding import GraphedDecodeStep
+
+from ..models.helpers import FAMILIES, left_padded_batch, tiny_model, tiny_source
+
+pytestmark = pytest.mark.gpu
+
+SPECS = {
+    "linear_elu": "linear_elu",
+    "softmax_taylor_2": "softmax_taylor_2",
+    "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+}
+STEPS = 6
+
+
+def _prefill(model, ids, mask):
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + STEPS)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+    return cache, logits[:, -1:].argmax(-1)
+
+
+def _decode(step, token, position, steps=STEPS):
+    logits = []
+    for _ in range(steps):
+        out = step(token, position) if position is not None else step(token)
+        logits.append(out[:, -1].clone())
+        token = out[:, -1:].argmax(-1)
+        position = None if position is None else position + 1
+    return torch.stack(logits)
+
+
+def _compare(model, ids, mask, position):
+    model = model.cuda()
+    ids, mask = ids.cuda(), None if mask is None else mask.cuda()
+    position = None if position is None else position.cuda()
+    eager_cache, token = _prefill(model, ids, mask)
+    graph_cache, _ = _prefill(model, ids, mask)
+
+    def eager(token, position=None):
+        with torch.no_grad():
+            return model(input_ids=token, position_ids=position, cache=eager_cache, use_cache=True).logits
+
+    graphed = GraphedDecodeStep(model, graph_cache, prompt_mask=mask)
+    want, got = _decode(eager, token, position), _decode(graphed, token, position)
+    assert graphed.graph is not None
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert int(graph_cache.get_seq_length()) == int(eager_cache.get_seq_length()) == ids.shape[1] + STEPS
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unmodified_transformers_model(family):
+    ids, _ = left_padded_batch(lengths=(8, 8))
+    _compare(tiny_source(family), ids, None, None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_converted_model_with_left_padded_prompts(family, name):
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    _compare(tiny_model(family, SPECS[name]), ids, mask, mask.sum(-1, keepdim=True))
+
+
+def test_calls_must_keep_to_the_first_call_s_position_ids():
+    model = tiny_model("llama", "linear_elu").cuda()
+    ids, _ = left_padded_batch(lengths=(5,))
+    cache, token = _prefill(model, ids.cuda(), None)
+    step = GraphedDecodeStep(model, cache)
+    step(token)
+    with pytest.raises(ValueError, match="called with position_ids, unlike the first call"):
+        step(token, torch.full((1, 1), 5, device="cuda"))
