@@ -67,6 +67,9 @@ class GraphedDecodeStep:
         self.model = model
         self.device = device
         self.cache = cache
+        #: positions held so far, and room for them where a KV layer stores each one (None: no limit)
+        self.length = int(cache.get_seq_length())
+        self.capacity = cache.layers[kv_layers[0]].max_cache_len if kv_layers else None
         self.eager_steps_left = eager_steps
         self.graph: torch.cuda.CUDAGraph | None = None
         self.input_ids: torch.Tensor | None = None
@@ -83,25 +86,33 @@ class GraphedDecodeStep:
         returns the logits `[B, 1, V]`, a buffer that the next call overwrites (clone to keep)."""
         if input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}; a decode step takes [batch, 1]")
+        if self.capacity is not None and self.length >= self.capacity:
+            raise ValueError(
+                f"the StaticCache's KV layers hold {self.capacity} positions, all used; build it with a larger "
+                "max_cache_len (prompt length + new tokens)"
+            )
         if self._with_positions is None:
             self._with_positions = position_ids is not None
         elif self._with_positions != (position_ids is not None):
             given = "without" if position_ids is None else "with"
             raise ValueError(f"called {given} position_ids, unlike the first call; pass them on every call or on none")
-        if self.graph is None and self.eager_steps_left > 0:
-            self.eager_steps_left -= 1
-            return self._on_side_stream(lambda: self._forward(input_ids, position_ids))
-        if self.graph is None:
-            self._record(input_ids, position_ids)
-        if input_ids.shape != self.input_ids.shape:
+        if self.graph is not None and input_ids.shape != self.input_ids.shape:
             raise ValueError(
                 f"input_ids of shape {tuple(input_ids.shape)}; the graph was recorded for {tuple(self.input_ids.shape)}"
             )
-        self.input_ids.copy_(input_ids)
-        if position_ids is not None:
-            self.position_ids.copy_(position_ids)
-        self.graph.replay()
-        return self.logits
+        if self.graph is None and self.eager_steps_left > 0:
+            self.eager_steps_left -= 1
+            logits = self._on_side_stream(lambda: self._forward(input_ids, position_ids))
+        else:
+            if self.graph is None:
+                self._record(input_ids, position_ids)
+            self.input_ids.copy_(input_ids)
+            if position_ids is not None:
+                self.position_ids.copy_(position_ids)
+            self.graph.replay()
+            logits = self.logits
+        self.length += 1
+        return logits
 
     def _on_side_stream(self, run):
         """Run eagerly on a side stream, as warm-ups before recording a CUDA graph should; the result

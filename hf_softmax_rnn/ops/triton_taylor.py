@@ -37,11 +37,13 @@ def _configs(blocks: tuple[tuple[int, int, int, int], ...], interpreted: tuple[i
     return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in blocks]
 
 
-#: Candidate (query block BM, key block BN, warps, stages) per kernel, timed once per head size and
-#: precision by `triton.autotune` at the first call (the key kernel walks query blocks of BM rows).
+#: Candidate (query block BM, key block BN, warps, stages) per kernel, timed once per head size, dtype
+#: and precision by `triton.autotune` at the first call (the key kernel walks query blocks of BM rows).
+#: The backward kernels hold more tiles at once; their smallest candidates are for exact float32,
+#: whose tiles are twice as wide and whose products run without tensor cores.
 FORWARD_CONFIGS = _configs(((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)), interpreted=(32, 16))
-QUERY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)), interpreted=(16, 32))
-KEY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)), interpreted=(16, 32))
+QUERY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (32, 32, 4, 2)), interpreted=(16, 32))
+KEY_GRAD_CONFIGS = _configs(((64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (32, 32, 4, 2)), interpreted=(16, 32))
 TUNING_KEY = ["D", "DV", "PRECISION"]
 
 

@@ -81,3 +81,16 @@ def test_calls_must_keep_to_the_first_call_s_position_ids():
     step(token)
     with pytest.raises(ValueError, match="called with position_ids, unlike the first call"):
         step(token, torch.full((1, 1), 5, device="cuda"))
+
+
+def test_a_full_kv_cache_is_refused_before_the_step():
+    model = tiny_source("llama").cuda()
+    ids, _ = left_padded_batch(lengths=(5,))
+    cache = StaticCache(config=model.config, max_cache_len=7)
+    with torch.no_grad():
+        token = model(input_ids=ids.cuda(), cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    step = GraphedDecodeStep(model, cache)
+    step(token), step(token)  # positions 6 and 7 (eager, then recorded and replayed)
+    with pytest.raises(ValueError, match="KV layers hold 7 positions, all used"):
+        step(token)
+    assert int(cache.get_seq_length()) == 7
