@@ -90,7 +90,8 @@ def test_a_full_kv_cache_is_refused_before_the_step():
     with torch.no_grad():
         token = model(input_ids=ids.cuda(), cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     step = GraphedDecodeStep(model, cache)
-    step(token), step(token)  # positions 6 and 7 (eager, then recorded and replayed)
+    step(token)  # position 6, eager
+    step(token)  # position 7, recorded and replayed
     with pytest.raises(ValueError, match="KV layers hold 7 positions, all used"):
         step(token)
     assert int(cache.get_seq_length()) == 7
