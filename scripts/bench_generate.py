@@ -97,8 +97,9 @@ class Decoder:
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
             self.next_token = logits[:, -1:].argmax(-1)
         _synchronize(stream.device)
+        seconds = time.perf_counter() - start
         self.graphed_step = GraphedDecodeStep(self.model, self.cache) if self.cuda_graph else None
-        return time.perf_counter() - start
+        return seconds
 
     def step(self) -> torch.Tensor:
         """The logits `[B, 1, V]` of one decode step fed `next_token`."""
