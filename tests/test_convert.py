@@ -7,18 +7,11 @@ from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadMode
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.layers import RNNParams, softmax_rnn_attention_modules
 
+from .models.helpers import LLAMA_SHAPE
+
 SOURCES = {
     "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-        )
+        LlamaConfig(**LLAMA_SHAPE | dict(num_hidden_layers=3, tie_word_embeddings=True, pad_token_id=0))
     ),
     "gpt2": lambda: GPT2LMHeadModel(
         GPT2Config(

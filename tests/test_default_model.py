@@ -18,6 +18,8 @@ from hf_softmax_rnn.default_model import (
 from hf_softmax_rnn.errors import MissingPackageError
 from hf_softmax_rnn.evaluation import perplexity
 
+from .models.helpers import LLAMA_SHAPE
+
 # The module, not the function of the same name that the package may export.
 default_model_module = importlib.import_module("hf_softmax_rnn.default_model")
 
@@ -43,16 +45,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    config = LlamaConfig(**LLAMA_SHAPE | dict(vocab_size=300, max_position_embeddings=128, tie_word_embeddings=True))
     return LlamaForCausalLM(config).eval()
 
 

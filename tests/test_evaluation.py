@@ -8,6 +8,8 @@ from hf_softmax_rnn import SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.evaluation import perplexity, sliding_windows, stream_nll, token_stream
 
+from .models.helpers import LLAMA_SHAPE
+
 TEXTS = ["The cat sat on the mat.", "Attention is a sum of RNNs", "ok"]
 
 
@@ -16,15 +18,7 @@ def tokenizer():
     return byte_tokenizer()
 
 
-LLAMA_KWARGS = dict(
-    vocab_size=257,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+LLAMA_KWARGS = {**LLAMA_SHAPE, "vocab_size": 257, "max_position_embeddings": 128}
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_KWARGS)),
     "softmax_rnn-linear_elu": lambda: SoftmaxRNNLlamaForCausalLM(

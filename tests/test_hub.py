@@ -15,18 +15,10 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from hf_softmax_rnn import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.hub import flat_names, needed_modules
 
+from .models.helpers import LLAMA_SHAPE
+
 SOURCES = {
-    "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            pad_token_id=0,
-        )
-    ),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE, pad_token_id=0)),
     "gpt2": lambda: GPT2LMHeadModel(
         GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=1, eos_token_id=2)
     ),

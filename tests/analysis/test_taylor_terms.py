@@ -14,6 +14,8 @@ from hf_softmax_rnn.analysis.taylor_terms import (
 )
 from hf_softmax_rnn.cli import main
 
+from ..models.helpers import LLAMA_SHAPE
+
 MAX_ORDER = 12
 RECORDED: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
 
@@ -30,16 +32,7 @@ AttentionInterface.register("recording_sdpa", recording_attention)
 @pytest.fixture
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-    )
+    config = LlamaConfig(**LLAMA_SHAPE | dict(vocab_size=97, max_position_embeddings=64, initializer_range=0.3))
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("recording_sdpa")
     return model

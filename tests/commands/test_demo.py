@@ -10,6 +10,8 @@ from hf_softmax_rnn.commands.demo import chat_sample
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 
+from ..models.helpers import LLAMA_SHAPE
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
@@ -36,16 +38,8 @@ def tiny_llama_dir(tmp_path_factory):
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        **LLAMA_SHAPE
+        | dict(vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)

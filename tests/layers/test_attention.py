@@ -18,14 +18,8 @@ from hf_softmax_rnn.layers import (
 from hf_softmax_rnn.layers.attention import GATE_BIAS_INIT, SEQLEN_POWER_INIT
 from hf_softmax_rnn.ops import attention, softmax_attention_reference
 
-LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-)
+from ..models.helpers import LLAMA_SHAPE
+
 GPT2 = dict(
     n_embd=32, n_layer=2, n_head=4, vocab_size=64, scale_attn_by_inverse_layer_idx=True, attn_pdrop=0.0, resid_pdrop=0.0
 )
@@ -40,7 +34,9 @@ def perturbed(module):
 
 
 def llama_layer(spec, dtype=torch.float64):
-    return perturbed(SoftmaxRNNLlamaAttention(SoftmaxRNNLlamaConfig(attention=spec, **LLAMA), LAYER).to(dtype).eval())
+    return perturbed(
+        SoftmaxRNNLlamaAttention(SoftmaxRNNLlamaConfig(attention=spec, **LLAMA_SHAPE), LAYER).to(dtype).eval()
+    )
 
 
 def gpt2_layer(spec, dtype=torch.float64):
@@ -54,7 +50,7 @@ def padding_mask(batch=2, length=7, padded=3):
 
 
 def rope(length, dtype=torch.float64):
-    config = LlamaConfig(**LLAMA)
+    config = LlamaConfig(**LLAMA_SHAPE)
     hidden = torch.zeros(1, length, 32, dtype=dtype)
     return LlamaRotaryEmbedding(config).to(dtype)(hidden, torch.arange(length)[None])
 
@@ -65,7 +61,7 @@ def gpt2_qkv(layer, hidden):
 
 
 def test_llama_layer_with_softmax_matches_transformers_llama_attention():
-    stock_config = LlamaConfig(**LLAMA)
+    stock_config = LlamaConfig(**LLAMA_SHAPE)
     stock_config._attn_implementation = "sdpa"
     stock = LlamaAttention(stock_config, LAYER).double().eval()
     ours = llama_layer("softmax")
@@ -150,7 +146,7 @@ def test_rnn_params_start_open_identity_like_and_documented():
 
 
 def test_unknown_attention_mode_raises():
-    config = SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA)
+    config = SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA_SHAPE)
     config.attention_mode = "recurrent"
     with pytest.raises(ValueError, match="attention_mode='recurrent' is not allowed"):
         SoftmaxRNNLlamaAttention(config, 0)

@@ -10,14 +10,7 @@ from hf_softmax_rnn.layers import RecurrentStateLayer, cache_nbytes
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
 from hf_softmax_rnn.ops import RecurrentState
 
-LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-)
+from ..models.helpers import LLAMA_SHAPE
 
 
 def filled_layer(batch=3, seen=5) -> RecurrentStateLayer:
@@ -74,7 +67,7 @@ def test_key_value_update_and_crop_raise():
 
 
 def test_dynamic_cache_from_config_mixes_recurrent_and_kv_layers():
-    config = SoftmaxRNNLlamaConfig(attention="linear_elu", layer_attention={1: "softmax"}, **LLAMA)
+    config = SoftmaxRNNLlamaConfig(attention="linear_elu", layer_attention={1: "softmax"}, **LLAMA_SHAPE)
     cache = DynamicCache(config=config)
     assert [type(layer) for layer in cache.layers] == [RecurrentStateLayer, DynamicLayer]
 
@@ -90,7 +83,7 @@ def test_lazily_built_cache_gets_a_recurrent_layer_in_place():
 
 
 def test_cache_nbytes_counts_states_and_keys_values():
-    config = SoftmaxRNNLlamaConfig(attention="linear_elu", layer_attention={1: "softmax"}, **LLAMA)
+    config = SoftmaxRNNLlamaConfig(attention="linear_elu", layer_attention={1: "softmax"}, **LLAMA_SHAPE)
     cache = DynamicCache(config=config)
     cache.layers[0].update_state(filled_layer().state, 5)
     keys = torch.zeros(3, 2, 5, 8)

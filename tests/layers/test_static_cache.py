@@ -8,7 +8,7 @@ from hf_softmax_rnn import SoftmaxRNNLlamaConfig
 from hf_softmax_rnn.layers.cache import StaticRecurrentStateLayer, cache_nbytes, recurrent_state_layer
 from hf_softmax_rnn.ops import RecurrentState
 
-from .test_cache import LLAMA
+from ..models.helpers import LLAMA_SHAPE
 
 
 def window_state(batch=3, seed=0) -> RecurrentState:
@@ -29,11 +29,11 @@ def filled_static_layer(batch=3, seen=5) -> StaticRecurrentStateLayer:
 
 
 def _config():
-    return SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA)
+    return SoftmaxRNNLlamaConfig(attention="linear_elu", **LLAMA_SHAPE)
 
 
 def test_static_cache_from_config_builds_static_recurrent_layers():
-    cache = StaticCache(config=SoftmaxRNNLlamaConfig(attention="hedgehog_window_64", **LLAMA), max_cache_len=16)
+    cache = StaticCache(config=SoftmaxRNNLlamaConfig(attention="hedgehog_window_64", **LLAMA_SHAPE), max_cache_len=16)
     assert [type(layer) for layer in cache.layers] == [StaticRecurrentStateLayer] * 2
     assert cache.is_compileable
     assert recurrent_state_layer(cache, 1) is cache.layers[1]

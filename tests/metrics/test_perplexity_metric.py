@@ -9,21 +9,15 @@ import hf_softmax_rnn.metrics
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.evaluation import perplexity
 
+from ..models.helpers import LLAMA_SHAPE
+
 TEXTS = ["Softmax attention is a sum of RNNs.", "The denominator is a norm.", "Keys and values."]
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=257,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    config = LlamaConfig(**LLAMA_SHAPE | dict(vocab_size=257, max_position_embeddings=128))
     model, tokenizer = LlamaForCausalLM(config).eval(), byte_tokenizer()
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)

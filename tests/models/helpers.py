@@ -8,6 +8,15 @@ from hf_softmax_rnn.layers import RNNParams
 
 VOCAB = 64
 FAMILIES = ("llama", "gpt2")
+#: The tiny Llama shape of the tests (GQA: 4 heads, 2 KV heads, head_dim 8); override keys with {**LLAMA_SHAPE, ...}.
+LLAMA_SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+)
 
 
 def tiny_source(family: str) -> torch.nn.Module:
@@ -15,16 +24,7 @@ def tiny_source(family: str) -> torch.nn.Module:
     scale_attn_by_inverse_layer_idx (its scaling differs per layer)."""
     special = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
     if family == "llama":
-        config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            **special,
-        )
+        config = LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=64, **special)
         return LlamaForCausalLM(config).eval()
     config = GPT2Config(
         n_embd=32,

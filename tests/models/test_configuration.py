@@ -7,14 +7,9 @@ from transformers import AutoConfig
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
 from hf_softmax_rnn.layers import RECURRENT_LAYER_TYPE
 
-LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-)
+from .helpers import LLAMA_SHAPE
+
+LLAMA = {**LLAMA_SHAPE, "num_hidden_layers": 3}
 GPT2 = dict(n_embd=32, n_layer=3, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0)
 CONFIGS = {"llama": (SoftmaxRNNLlamaConfig, LLAMA), "gpt2": (SoftmaxRNNGPT2Config, GPT2)}
 

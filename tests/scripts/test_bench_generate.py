@@ -9,21 +9,15 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
+from ..models.helpers import LLAMA_SHAPE
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_generate.py"
 CONTEXTS = (8, 40)
 
 
 def _run(tmp_path, monkeypatch, capsys, *extra) -> tuple[dict, str]:
     config_dir = tmp_path / "config"
-    LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=128,
-    ).save_pretrained(config_dir)
+    LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=128).save_pretrained(config_dir)
     output = tmp_path / "bench"
     argv = [str(SCRIPT), "--model", str(config_dir), "--random-weights", "--contexts", *map(str, CONTEXTS)]
     argv += ["--steps", "2", "--rounds", "2", "--warmup", "2", "--prefill-chunk", "16", "--output", str(output)]

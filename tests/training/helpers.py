@@ -11,23 +11,23 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from hf_softmax_rnn.data.corpus import pydoc_corpus
 from hf_softmax_rnn.training import FinetuneConfig
 
+from ..models.helpers import LLAMA_SHAPE
+
 VOCAB_SIZE = 128
 MAX_POSITIONS = 64
 
 TINY_MODELS = {
     "llama": lambda: LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS,
-            tie_word_embeddings=True,
-            bos_token_id=None,
-            eos_token_id=1,
-            pad_token_id=None,
+            **LLAMA_SHAPE
+            | dict(
+                vocab_size=VOCAB_SIZE,
+                max_position_embeddings=MAX_POSITIONS,
+                tie_word_embeddings=True,
+                bos_token_id=None,
+                eos_token_id=1,
+                pad_token_id=None,
+            )
         )
     ),
     "gpt2": lambda: GPT2LMHeadModel(
