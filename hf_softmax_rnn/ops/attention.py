@@ -226,7 +226,8 @@ def attention(
     if fused == "taylor2":
         from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
 
-        numerator, denominator = taylor2_attention(q, k, v, key_mask, kernel.scale)
+        padding = None if attention_mask is None else key_mask
+        numerator, denominator = taylor2_attention(q, k, v, padding, kernel.scale)
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(

@@ -12,7 +12,8 @@ afterwards unchanged, and it keeps no recurrent state: it serves training and sc
 cache); decoding and prefill into a cache use `ops.chunked`.
 
 Shapes: q `[B, H, L, D]`, k `[B, Hkv, Lk, D]`, v `[B, Hkv, Lk, Dv]` (zero at padding),
-key_mask `[B, Lk]` (1 = token), Lk >= L, query i sits at key position Lk - L + i.
+key_mask `[B, Lk]` (1 = token; None: nothing is padded, and no mask is read), Lk >= L,
+query i sits at key position Lk - L + i.
 D and Dv must be powers of two between 16 and 256.
 """
 
@@ -53,14 +54,23 @@ def supports(head_dim: int, value_dim: int) -> bool:
 
 
 @triton.jit
-def _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """(A = (1 + x + x^2/2) keep, x = scale q.k, keep) `[BM, BN]`; keep is 1 for a visible key, else 0.
-    Off-diagonal blocks (CAUSAL False) skip the causal comparison; padding keys have mask_k = 0."""
-    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    keep = tl.broadcast_to(mask_k[None, :], x.shape)
+def _hide(t, mask_k, offs_m, offs_n, offset, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """`t` `[BM, BN]` with the entries of hidden keys set to 0: padding keys (mask_k = 0) and, on
+    blocks that cross the diagonal (CAUSAL), keys after the query. Without either it is `t` itself."""
+    if HAS_MASK:
+        t = tl.where(mask_k[None, :] != 0, t, 0.0)
     if CAUSAL:
-        keep = tl.where(offs_n[None, :] <= offs_m[:, None] + offset, keep, 0.0)
-    return (1.0 + x + 0.5 * x * x) * keep, x, keep
+        t = tl.where(offs_n[None, :] <= offs_m[:, None] + offset, t, 0.0)
+    return t
+
+
+@triton.jit
+def _scores(
+    q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr
+):
+    """(A, x) `[BM, BN]`: x = scale q.k and A = 1 + x + x^2/2 at visible keys, 0 at hidden ones."""
+    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return _hide(1.0 + x + 0.5 * x * x, mask_k, offs_m, offs_n, offset, CAUSAL, HAS_MASK), x
 
 
 @triton.jit
@@ -72,12 +82,20 @@ def _program(heads, group):
 
 
 @triton.jit
-def _load_keys(K, V, MASK, kv, b, start, key_len, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr):
+def _load_keys(
+    K, V, MASK, kv, b, start, key_len,
+    D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """(k `[BN, D]`, v `[BN, DV]`, key mask `[BN]`, key positions `[BN]`); without HAS_MASK the mask
+    is not read (its ones are never used)."""
     offs_n = start + tl.arange(0, BN)
     cols = offs_n < key_len
     k = tl.load(K + (kv * key_len + offs_n[:, None]) * D + tl.arange(0, D)[None, :], mask=cols[:, None], other=0.0)
     v = tl.load(V + (kv * key_len + offs_n[:, None]) * DV + tl.arange(0, DV)[None, :], mask=cols[:, None], other=0.0)
-    mask_k = tl.load(MASK + b * key_len + offs_n, mask=cols, other=0.0)
+    if HAS_MASK:
+        mask_k = tl.load(MASK + b * key_len + offs_n, mask=cols, other=0.0)
+    else:
+        mask_k = tl.full([BN], 1.0, tl.float32)
     return k, v, mask_k, offs_n
 
 
@@ -96,10 +114,11 @@ def _load_queries(Q, D_NUM, D_DEN, bh, start, length, D: tl.constexpr, DV: tl.co
 @triton.jit
 def _forward_step(
     acc, den, q, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
-    D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, start, key_len, D, DV, BN)
-    a, _, _ = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, PRECISION)
+    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, start, key_len, D, DV, BN, HAS_MASK)
+    a, _ = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, HAS_MASK, PRECISION)
     acc += tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
     return acc, den + tl.sum(a, 1)
 
@@ -109,7 +128,8 @@ def _forward_step(
 def _forward_kernel(
     Q, K, V, MASK, NUM, DEN,
     scale, length, key_len, offset, heads, group,
-    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m, bh, b, kv = _program(heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -123,12 +143,14 @@ def _forward_kernel(
     end = tl.minimum(key_len, (pid_m + 1) * BM + offset)
     for start in range(0, full_end, BN):
         acc, den = _forward_step(
-            acc, den, q, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale, D, DV, BN, False, PRECISION
-        )
+            acc, den, q, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
+            D, DV, BN, False, HAS_MASK, PRECISION,
+        )  # fmt: skip
     for start in range(full_end, end, BN):
         acc, den = _forward_step(
-            acc, den, q, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale, D, DV, BN, True, PRECISION
-        )
+            acc, den, q, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
+            D, DV, BN, True, HAS_MASK, PRECISION,
+        )  # fmt: skip
     tl.store(NUM + (bh * length + offs_m[:, None]) * DV + offs_v[None, :], acc, mask=rows[:, None])
     tl.store(DEN + bh * length + offs_m, den, mask=rows)
 
@@ -136,12 +158,13 @@ def _forward_kernel(
 @triton.jit
 def _query_step(
     dq, q, d_num, d_den, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
-    D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, start, key_len, D, DV, BN)
-    _, x, keep = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, PRECISION)
+    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, start, key_len, D, DV, BN, HAS_MASK)
+    _, x = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, HAS_MASK, PRECISION)
     d_a = tl.dot(d_num.to(v.dtype), tl.trans(v), input_precision=PRECISION) + d_den[:, None]
-    d_x = d_a * (1.0 + x) * keep
+    d_x = _hide(d_a * (1.0 + x), mask_k, offs_m, offs_n, offset, CAUSAL, HAS_MASK)
     return dq + tl.dot(d_x.to(k.dtype), k, input_precision=PRECISION)
 
 
@@ -150,7 +173,8 @@ def _query_step(
 def _backward_query_kernel(
     Q, K, V, MASK, D_NUM, D_DEN, DQ,
     scale, length, key_len, offset, heads, group,
-    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m, bh, b, kv = _program(heads, group)
     q, d_num, d_den, offs_m = _load_queries(Q, D_NUM, D_DEN, bh, pid_m * BM, length, D, DV, BM)
@@ -159,12 +183,14 @@ def _backward_query_kernel(
     end = tl.minimum(key_len, (pid_m + 1) * BM + offset)
     for start in range(0, full_end, BN):
         dq = _query_step(
-            dq, q, d_num, d_den, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale, D, DV, BN, False, PRECISION
-        )
+            dq, q, d_num, d_den, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
+            D, DV, BN, False, HAS_MASK, PRECISION,
+        )  # fmt: skip
     for start in range(full_end, end, BN):
         dq = _query_step(
-            dq, q, d_num, d_den, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale, D, DV, BN, True, PRECISION
-        )
+            dq, q, d_num, d_den, K, V, MASK, kv, b, start, offs_m, offset, key_len, scale,
+            D, DV, BN, True, HAS_MASK, PRECISION,
+        )  # fmt: skip
     out = (bh * length + offs_m[:, None]) * D + tl.arange(0, D)[None, :]
     tl.store(DQ + out, dq * scale, mask=(offs_m < length)[:, None])
 
@@ -172,13 +198,14 @@ def _backward_query_kernel(
 @triton.jit
 def _key_step(
     dk, dv, k, v, mask_k, offs_n, Q, D_NUM, D_DEN, bh, start, length, offset, scale,
-    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     q, d_num, d_den, offs_m = _load_queries(Q, D_NUM, D_DEN, bh, start, length, D, DV, BM)
-    a, x, keep = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, PRECISION)
+    a, x = _scores(q, k, mask_k, offs_m, offs_n, offset, scale, CAUSAL, HAS_MASK, PRECISION)
     dv += tl.dot(tl.trans(a).to(v.dtype), d_num.to(v.dtype), input_precision=PRECISION)
     d_a = tl.dot(d_num.to(v.dtype), tl.trans(v), input_precision=PRECISION) + d_den[:, None]
-    d_x = d_a * (1.0 + x) * keep
+    d_x = _hide(d_a * (1.0 + x), mask_k, offs_m, offs_n, offset, CAUSAL, HAS_MASK)
     dk += tl.dot(tl.trans(d_x).to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
@@ -188,11 +215,12 @@ def _key_step(
 def _backward_key_kernel(
     Q, K, V, MASK, D_NUM, D_DEN, DK, DV_OUT,
     scale, length, key_len, offset, heads, group,
-    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one block of keys for one query head (the caller sums the heads of a group)."""
     pid_n, bh, b, kv = _program(heads, group)
-    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, pid_n * BN, key_len, D, DV, BN)
+    k, v, mask_k, offs_n = _load_keys(K, V, MASK, kv, b, pid_n * BN, key_len, D, DV, BN, HAS_MASK)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
     # Query blocks from `full_start` on see every key of the block; earlier ones need the causal mask.
@@ -200,12 +228,14 @@ def _backward_key_kernel(
     full_start = (tl.maximum(pid_n * BN + BN - 1 - offset, 0) + BM - 1) // BM * BM
     for start in range(first, full_start, BM):
         dk, dv = _key_step(
-            dk, dv, k, v, mask_k, offs_n, Q, D_NUM, D_DEN, bh, start, length, offset, scale, D, DV, BM, True, PRECISION
-        )
+            dk, dv, k, v, mask_k, offs_n, Q, D_NUM, D_DEN, bh, start, length, offset, scale,
+            D, DV, BM, True, HAS_MASK, PRECISION,
+        )  # fmt: skip
     for start in range(full_start, length, BM):
         dk, dv = _key_step(
-            dk, dv, k, v, mask_k, offs_n, Q, D_NUM, D_DEN, bh, start, length, offset, scale, D, DV, BM, False, PRECISION
-        )
+            dk, dv, k, v, mask_k, offs_n, Q, D_NUM, D_DEN, bh, start, length, offset, scale,
+            D, DV, BM, False, HAS_MASK, PRECISION,
+        )  # fmt: skip
     cols = (offs_n < key_len)[:, None]
     tl.store(DK + (bh * key_len + offs_n[:, None]) * D + tl.arange(0, D)[None, :], dk * scale, mask=cols)
     tl.store(DV_OUT + (bh * key_len + offs_n[:, None]) * DV + tl.arange(0, DV)[None, :], dv, mask=cols)
@@ -217,25 +247,31 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple:
     return scale, length, key_len, key_len - length, heads, heads // k.shape[1]
 
 
-def _meta(q: torch.Tensor, v: torch.Tensor) -> dict:
-    """Head sizes and the products' precision: float32 products as torch's own float32 matmuls
-    (`torch.set_float32_matmul_precision`: "highest", the default, is exact float32, slow without
-    tensor cores; "high" or "medium" allow TF32); half-precision inputs use tensor cores anyway."""
+def _meta(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> dict:
+    """Head sizes, whether a key mask is read, and the products' precision: float32 products as
+    torch's own float32 matmuls (`torch.set_float32_matmul_precision`: "highest", the default, is
+    exact float32, slow without tensor cores; "high" or "medium" allow TF32); half-precision
+    inputs use tensor cores anyway."""
     exact = q.dtype == torch.float64 or (q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest")
     precision = "ieee" if exact else "tf32"
-    return {"D": q.shape[-1], "DV": v.shape[-1], "PRECISION": precision}
+    return {"D": q.shape[-1], "DV": v.shape[-1], "HAS_MASK": mask is not None, "PRECISION": precision}
+
+
+def _pointer(mask: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The mask, or any tensor where there is none (the kernel compiled without HAS_MASK never reads it)."""
+    return fallback if mask is None else mask
 
 
 class _Taylor2Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        mask = key_mask.to(torch.float32).contiguous()
+        mask = None if key_mask is None else key_mask.to(torch.float32).contiguous()
         batch, heads, length, _ = q.shape
         num = torch.empty(batch, heads, length, v.shape[-1], device=q.device, dtype=torch.float32)
         den = torch.empty(batch, heads, length, device=q.device, dtype=torch.float32)
         grid = lambda meta: (triton.cdiv(length, meta["BM"]), batch * heads)  # noqa: E731
-        _forward_kernel[grid](q, k, v, mask, num, den, *_launch_args(q, k, scale), **_meta(q, v))
+        _forward_kernel[grid](q, k, v, _pointer(mask, q), num, den, *_launch_args(q, k, scale), **_meta(q, v, mask))
         ctx.save_for_backward(q, k, v, mask)
         ctx.scale = scale
         return num, den
@@ -247,14 +283,14 @@ class _Taylor2Attention(torch.autograd.Function):
         kv_heads, key_len = k.shape[1], k.shape[2]
         d_num = d_num.to(torch.float32).contiguous()
         d_den = d_den.to(torch.float32).contiguous()
-        args, meta = _launch_args(q, k, ctx.scale), _meta(q, v)
+        args, meta, mask_pointer = _launch_args(q, k, ctx.scale), _meta(q, v, mask), _pointer(mask, q)
         dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         grid_q = lambda meta: (triton.cdiv(length, meta["BM"]), batch * heads)  # noqa: E731
-        _backward_query_kernel[grid_q](q, k, v, mask, d_num, d_den, dq, *args, **meta)
+        _backward_query_kernel[grid_q](q, k, v, mask_pointer, d_num, d_den, dq, *args, **meta)
         dk = torch.empty(batch, heads, key_len, head_dim, device=q.device, dtype=torch.float32)
         dv = torch.empty(batch, heads, key_len, v.shape[-1], device=q.device, dtype=torch.float32)
         grid_k = lambda meta: (triton.cdiv(key_len, meta["BN"]), batch * heads)  # noqa: E731
-        _backward_key_kernel[grid_k](q, k, v, mask, d_num, d_den, dk, dv, *args, **meta)
+        _backward_key_kernel[grid_k](q, k, v, mask_pointer, d_num, d_den, dk, dv, *args, **meta)
         group = heads // kv_heads
         dk = dk.view(batch, kv_heads, group, key_len, head_dim).sum(2)
         dv = dv.view(batch, kv_heads, group, key_len, -1).sum(2)
@@ -262,9 +298,10 @@ class _Taylor2Attention(torch.autograd.Function):
 
 
 def taylor2_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal sum_j (1 + x_ij + x_ij^2 / 2) [v_j, 1] over visible keys, x_ij = scale q_i.k_j.
+    `key_mask` None: every key is a token (the kernel then reads no mask).
 
     Returns (numerator `[B, H, L, Dv]`, denominator `[B, H, L]`), both float32; differentiable
     in q, k and v.
@@ -273,7 +310,7 @@ def taylor2_attention(
 
 
 def taylor2_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in float64 with an explicit L x Lk matrix (slow; for tests)."""
     q, k, v = q.double(), k.double(), v.double()
@@ -281,7 +318,8 @@ def taylor2_attention_reference(
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     length, key_len = q.shape[-2], k.shape[-2]
     x = scale * q @ k.mT
-    causal = torch.ones(length, key_len, dtype=torch.bool, device=q.device).tril(key_len - length)
-    visible = causal & key_mask.bool()[:, None, None, :]
+    visible = torch.ones(length, key_len, dtype=torch.bool, device=q.device).tril(key_len - length)
+    if key_mask is not None:
+        visible = visible & key_mask.bool()[:, None, None, :]
     weights = torch.where(visible, 1.0 + x + 0.5 * x * x, torch.zeros_like(x))
     return weights @ v, weights.sum(-1)

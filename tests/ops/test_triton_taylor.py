@@ -7,7 +7,7 @@ TRITON_INTERPRET=1); on a GPU machine the same tests run the compiled kernel.
 import pytest
 import torch
 
-from hf_softmax_rnn.ops import attention, backends
+from hf_softmax_rnn.ops import attention, backends, triton_taylor
 from hf_softmax_rnn.ops.triton_taylor import supports, taylor2_attention, taylor2_attention_reference
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
@@ -33,11 +33,13 @@ def _inputs(heads, kv_heads, length, key_len, pads, head_dim=16, value_dim=32):
     return q, k, v, mask
 
 
+@pytest.mark.parametrize("mask_given", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_float64_reference(case):
-    q, k, v, mask = _inputs(**CASES[case])
+def test_kernel_matches_float64_reference(case, mask_given):
+    """With a key mask, and without one (the kernel compiled to read none) on unpadded inputs."""
+    q, k, v, mask = _inputs(**(CASES[case] | ({} if mask_given else {"pads": [0, 0]})))
     v_masked = v * mask[:, None, :, None]  # the kernel's contract: values are zero at padding
-    numerator, denominator = taylor2_attention(q, k, v_masked, mask, 0.3)
+    numerator, denominator = taylor2_attention(q, k, v_masked, mask if mask_given else None, 0.3)
     ref_numerator, ref_denominator = taylor2_attention_reference(q, k, v_masked, mask, 0.3)
     torch.testing.assert_close(numerator.double(), ref_numerator, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(denominator.double(), ref_denominator, rtol=1e-5, atol=1e-4)
@@ -79,22 +81,31 @@ def fused_on_this_device(monkeypatch):
     monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "no_mask"])
 @pytest.mark.parametrize("mode", ["parallel", "chunked"])
 @pytest.mark.parametrize("name", TAYLOR2_SPECS)
-def test_attention_with_kernel_matches_pytorch_forms(name, mode, fused_on_this_device):
-    """Every normaliser and gate runs after the kernel as after the PyTorch forms."""
+def test_attention_with_kernel_matches_pytorch_forms(name, mode, padded, fused_on_this_device, monkeypatch):
+    """Every normaliser and gate runs after the kernel as after the PyTorch forms; without an
+    attention mask the kernel is given none (and reads none)."""
     spec = FINITE_SPECS[name]
     q, k, v, gate_logits = make_inputs(head_dim=16, length=19, dtype=torch.float32, requires_grad=True)
     params = make_params(spec, head_dim=16, dtype=torch.float32, requires_grad=True)
-    mask = left_padding_mask(2, 19, [0, 4])
+    mask = left_padding_mask(2, 19, [0, 4]).to(DEVICE) if padded else None
     leaves = [q, k, v, *gate_logits.values(), *params.values()]
+    kernel_masks = []
+
+    def recording_kernel(q, k, v, key_mask, scale):
+        kernel_masks.append(key_mask)
+        return taylor2_attention(q, k, v, key_mask, scale)
+
+    monkeypatch.setattr(triton_taylor, "taylor2_attention", recording_kernel)
 
     def run(fused: bool):
         gated_v, gates = gated(spec, v, gate_logits)
         on_device = [x.to(DEVICE) for x in (q, k, gated_v)]
         with backends.fused_kernels(fused):
             out, state = attention(
-                *on_device, spec, mode=mode, attention_mask=mask.to(DEVICE),
+                *on_device, spec, mode=mode, attention_mask=mask,
                 gates={name: g.to(DEVICE) for name, g in gates.items()},
                 params=as_params({name: p.to(DEVICE) for name, p in params.items()}), return_state=False,
             )  # fmt: skip
@@ -105,6 +116,7 @@ def test_attention_with_kernel_matches_pytorch_forms(name, mode, fused_on_this_d
 
     assert backends.polynomial_backend(DEVICE, torch.float32, spec, mode, False, 16, 16) == "taylor2"
     fused_out, fused_grads = run(True)
+    assert len(kernel_masks) == 1 and (kernel_masks[0] is None) is not padded
     torch_out, torch_grads = run(False)
     torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-5)
     for got, want in zip(fused_grads, torch_grads):
@@ -119,7 +131,7 @@ def test_float32_products_follow_torch_matmul_precision(setting, expected):
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(setting)
     try:
-        assert _meta(q, q)["PRECISION"] == expected
-        assert _meta(q.bfloat16(), q.bfloat16())["PRECISION"] == "tf32"
+        assert _meta(q, q, None)["PRECISION"] == expected
+        assert _meta(q.bfloat16(), q.bfloat16(), None)["PRECISION"] == "tf32"
     finally:
         torch.set_float32_matmul_precision(previous)
