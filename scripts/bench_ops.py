@@ -1,6 +1,7 @@
 """Operator benchmark: forward and forward+backward time and peak memory against length.
 
-Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64). On CUDA the rows
+Shapes are the embedded default model's attention (B=1, H=9, Hkv=3, D=64; `--batch` sets B,
+`--presets` keeps the rows of those presets, `fla` naming fla's own kernel). On CUDA the rows
 marked "fused" run the GPU kernels (flash-linear-attention for feature maps, this package's
 Triton kernel for Taylor-2; see `hf_softmax_rnn.ops.backends`), the rows marked "PyTorch" the
 same maths without them, and "fla chunk_linear_attn" is flash-linear-attention's own elu linear
@@ -13,6 +14,7 @@ and writes a PNG.
     python scripts/bench_ops.py                       # 512 ... 16384 on CPU
     python scripts/bench_ops.py --lengths 512 1024 --output /tmp/bench
     python scripts/bench_ops.py --device cuda --dtype bfloat16 --output docs/figures/bench_ops_cuda_bf16
+    python scripts/bench_ops.py --device cuda --dtype bfloat16 --batch 8 --presets softmax linear_elu fla
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ CASES = [
     Case("Taylor-2, chunked", "softmax_taylor_2", "chunked", 16384),
     Case("Taylor-2, no state (Triton)", "softmax_taylor_2", "chunked", 16384, return_state=False, cuda_only=True),
 ]
+ROW_PRESETS = {case.preset for case in CASES}
 
 
 def _rss_bytes() -> int:
@@ -206,12 +209,25 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of q, k, v")
+    parser.add_argument("--batch", type=int, default=SHAPE["batch"], help="batch size B")
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        choices=sorted(ROW_PRESETS),
+        default=None,
+        help="keep only the rows of these presets (default: every row)",
+    )
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch={args.batch} is not allowed; expected an int >= 1")
+    SHAPE["batch"] = args.batch  # read by the forked children too
     from tqdm import tqdm
 
     cuda = args.device.startswith("cuda")
-    cases = [case for case in CASES if cuda or not case.cuda_only]
+    cases = [
+        case for case in CASES if (cuda or not case.cuda_only) and (not args.presets or case.preset in args.presets)
+    ]
     results: dict[tuple[str, int, bool], dict] = {}
     jobs = [(case, n, bw) for case in cases for n in args.lengths if n <= case.max_length for bw in (False, True)]
     for case, length, backward in tqdm(jobs, desc="bench_ops"):
@@ -220,7 +236,7 @@ def main() -> None:
         )
 
     lines = [
-        f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}, {args.dtype}, "
+        f"{_shape_text()}, {args.dtype}, "
         f"{_device_name(args.device)}. Time in ms (best of {args.repeats}), peak memory above the inputs in MiB.",
         "",
         "| variant | " + " | ".join(f"L={n} fwd / fwd+bwd (ms)" for n in args.lengths) + " |",
@@ -248,7 +264,7 @@ def main() -> None:
     sdpa = results.get(("softmax (SDPA)", longest, True))
     if sdpa and "error" not in sdpa:
         lines.append("")
-        for label in (case.label for case in cases[1:]):
+        for label in (case.label for case in cases if case.label != "softmax (SDPA)"):
             other = results.get((label, longest, True))
             if other and "error" not in other:
                 lines.append(
@@ -261,6 +277,10 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".md").write_text(table + "\n")
     _plot(results, cases, args.lengths, args.output.with_suffix(".png"), f"{_device_name(args.device)}, {args.dtype}")
+
+
+def _shape_text() -> str:
+    return f"B={SHAPE['batch']}, H={SHAPE['heads']}, Hkv={SHAPE['kv_heads']}, D={SHAPE['head_dim']}"
 
 
 def _device_name(device: str) -> str:
@@ -290,7 +310,7 @@ def _plot(results: dict, cases: list[Case], lengths: list[int], path: Path, devi
         axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
     time_axis.legend(fontsize=8)
-    figure.suptitle(f"Attention operators, B=1, H=9, Hkv=3, D=64 ({device_name})")
+    figure.suptitle(f"Attention operators, {_shape_text()} ({device_name})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

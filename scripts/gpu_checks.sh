@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
 # lease still brings back what finished, quickest and most telling first: CUDA-graph decoding (tests,
-# then bench_generate bf16 on SmolLM2's shape with random weights), bench_ops bf16, the same two
-# tables in fp32, the fused-kernel tests, and last transformers' own compiled decoding (minutes of
+# then bench_generate bf16 on SmolLM2's shape with random weights), bench_ops bf16 (and linear elu
+# against SDPA and fla at batch 8), the same two tables in fp32, the fused-kernel tests, and last transformers' own compiled decoding (minutes of
 # compilation).
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR] [SECONDS]      # default: gpu_results, 600
@@ -36,6 +36,9 @@ timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \
   --presets linear_elu hedgehog_window_64 softmax_taylor_2 --output "$results/bench_generate_cuda_bf16_graph"
 stage bench_ops_bf16
 timeout "$(left 90)" "${ops[@]}" --dtype bfloat16 --output "$results/bench_ops_cuda_bf16"
+stage bench_ops_bf16_batch8
+timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --batch 8 --lengths 16384 --presets softmax linear_elu fla \
+  --output "$results/bench_ops_cuda_bf16_batch8"
 stage decode_graph_fp32
 timeout "$(left 60)" "${decode[@]}" --dtype float32 --cuda-graph --presets linear_elu softmax_taylor_2 \
   --output "$results/bench_generate_cuda_fp32_graph"
