@@ -2,8 +2,8 @@
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
 # lease still brings back what finished, quickest and most telling first: CUDA-graph decoding (tests,
 # then bench_generate bf16 on SmolLM2's shape with random weights), bench_ops bf16 (and linear elu
-# against SDPA and fla at batch 8), the same two tables in fp32, the fused-kernel tests, and last transformers' own compiled decoding (minutes of
-# compilation).
+# against SDPA and fla at batch 8), the same two tables in fp32, the fused-kernel tests, and last
+# transformers' own compiled decoding (minutes of compilation).
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR] [SECONDS]      # default: gpu_results, 600
 #
