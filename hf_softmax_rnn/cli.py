@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hf_softmax_rnn.commands.demo", "convert the default model to the paper's variants and compare them"),
     "finetune": (
-        "hf_softmax_rnn.training.finetune",
+        "hf_softmax_rnn.commands.finetune",
         "attention transfer and LoRA/full fine-tuning of a converted model",
     ),
     "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),

@@ -1,0 +1,65 @@
+"""`hf-softmax-rnn finetune`: convert a model's attention, then attention transfer and LoRA (or full)
+fine-tuning, with Accelerate.
+
+    hf-softmax-rnn finetune --output-dir out/hybrid     # hedgehog_window_64, the recipe that recovers
+    hf-softmax-rnn finetune --output-dir out/l2 --attention gated_softmax_no_gate_L2norm_nodivS_noclamp
+
+Several processes (GPUs, or gloo on CPU):
+
+    accelerate launch -m hf_softmax_rnn.cli finetune ...
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m hf_softmax_rnn.cli finetune ...
+
+(`accelerate launch --cpu --num_processes 2` runs a single process in this Accelerate release.)
+A run killed at any point continues with `--resume` from its latest checkpoint, on the same path
+as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from hf_softmax_rnn.commands.arguments import add_dataclass_arguments
+from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION
+
+logger = logging.getLogger(__name__)
+
+#: The largest ratio of the fine-tuned model's held-out perplexity to the unconverted model's that
+#: the summary does not report as "not recovered".
+RECOVERED_RATIO = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `FinetuneConfig` field (help and default from the field)."""
+    add_dataclass_arguments(parser, FinetuneConfig)
+
+
+def summary(result) -> str:
+    """Held-out perplexity at each evaluation point and the last one's ratio to the unconverted model's,
+    as lines and as one JSON line. A ratio above `RECOVERED_RATIO` is also logged as a WARNING."""
+    evaluations = result.evaluations
+    lines = [f"Held-out perplexity ({result.output_dir}):"]
+    lines += [f"  {point:<10} {values['perplexity']:10.3f}" for point, values in evaluations.items()]
+    last = list(evaluations)[-1]
+    if BEFORE_CONVERSION in evaluations and last != BEFORE_CONVERSION:
+        ratio = evaluations[last]["perplexity"] / evaluations[BEFORE_CONVERSION]["perplexity"]
+        lines.append(f"  {last} / {BEFORE_CONVERSION}: {ratio:.2f}x")
+        if not ratio <= RECOVERED_RATIO:  # (NaN included)
+            logger.warning(
+                "The model after %r has %.2fx the held-out perplexity of the unconverted model (%.4g against "
+                "%.4g): it has not recovered. Train longer, or use a recipe that recovers (--attention "
+                "hedgehog_window_64; see the README's recovery benchmark).",
+                last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
+            )  # fmt: skip
+    lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in evaluations.items()}))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> str | None:
+    from hf_softmax_rnn.training.trainer import Finetuner
+
+    finetuner = Finetuner(FinetuneConfig.from_namespace(args))
+    result = finetuner.run()
+    return summary(result) if finetuner.accelerator.is_main_process else None

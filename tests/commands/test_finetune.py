@@ -1,0 +1,61 @@
+"""`hf-softmax-rnn finetune`'s report, its default attention, and the library's `finetune` function
+keeping its name once the command's module is imported."""
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.commands.finetune import summary
+from hf_softmax_rnn.training.config import FinetuneConfig
+
+
+def _summary_of(perplexities: dict[str, float]) -> str:
+    result = SimpleNamespace(output_dir="out", evaluations={p: {"perplexity": v} for p, v in perplexities.items()})
+    return summary(result)
+
+
+@pytest.mark.parametrize(
+    ("perplexities", "ratio_line", "warned"),
+    [
+        ({"base": 10.0, "converted": 500.0, "finetune": 15.0}, "  finetune / base: 1.50x", False),
+        ({"base": 10.0, "converted": 500.0, "transfer": 40.0, "finetune": 250.0}, "  finetune / base: 25.00x", True),
+        ({"base": 10.0, "converted": math.nan}, "  converted / base: nanx", True),
+        ({"base": 10.0}, None, False),
+    ],
+    ids=["recovered", "not-recovered", "nan", "base-only"],
+)
+def test_summary_reports_the_ratio_to_the_unconverted_model(perplexities, ratio_line, warned, caplog):
+    with caplog.at_level("WARNING", logger="hf_softmax_rnn.commands.finetune"):
+        text = _summary_of(perplexities)
+    lines = text.splitlines()
+    assert lines[0] == "Held-out perplexity (out):"
+    assert [line.split()[0] for line in lines[1 : 1 + len(perplexities)]] == list(perplexities)
+    assert (ratio_line in lines) if ratio_line else not any(" / base: " in line for line in lines)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(warnings) is warned
+    if warned:
+        assert "has not recovered" in warnings[0] and "hedgehog_window_64" in warnings[0]
+    assert json.loads(lines[-1]).keys() == perplexities.keys()
+
+
+def test_finetune_defaults_to_the_recipe_that_recovers(tmp_path):
+    config = FinetuneConfig(output_dir=str(tmp_path / "out"))
+    assert config.attention_spec == AttentionSpec.from_preset("hedgehog_window_64")
+    assert config.finetune_loss == "distill" and config.transfer_steps == 0  # the window recipe
+
+
+def test_library_finetune_stays_a_function_after_the_command_runs():
+    """The command's module used to be `training.finetune`, and importing it replaced the package's
+    `finetune` function by the module."""
+    code = (
+        "import hf_softmax_rnn.cli as cli, sys\n"
+        "cli.subcommand_parser('finetune')\n"
+        "from hf_softmax_rnn.training import finetune\n"
+        "sys.exit(0 if callable(finetune) else 1)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
