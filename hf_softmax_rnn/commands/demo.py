@@ -32,14 +32,22 @@ from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PRESETS = ("softmax", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "softmax_taylor_2", "linear_elu")
+DEFAULT_PRESETS = (
+    "softmax",
+    "hedgehog_window_64",
+    "gated_softmax_no_gate_L2norm_nodivS_noclamp",
+    "softmax_taylor_2",
+    "linear_elu",
+)
 DEFAULT_CONTEXTS = (128, 4096)
 DEFAULT_PROMPT = "What is a Python dictionary? Answer in one sentence."
 SAMPLE_CHARS = 120
 _BYTE_UNITS = ("B", "KB", "MB", "GB")
 FINETUNE_HINT = (
-    "Only 'softmax' is the pretrained model unchanged; the other rows are converted with no training, so their "
-    "perplexity is poor. Fine-tune them with `hf-softmax-rnn finetune` (attention transfer, then LoRA)."
+    "Only 'softmax' is the pretrained model unchanged; the other rows are converted with no training. "
+    "`hf-softmax-rnn finetune` trains them; its default, hedgehog_window_64 (exact softmax over the last 64 "
+    "positions, a learned feature map beyond), came back to 1.22x the original perplexity on SmolLM2-135M after "
+    "200 distillation steps (the README's recovery benchmark)."
 )
 
 
