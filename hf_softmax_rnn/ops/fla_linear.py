@@ -1,15 +1,18 @@
 """Chunked linear attention through flash-linear-attention's kernel (GPU).
 
 Same contract as `ops.linear.chunked_linear_attention` (which is its reference): grouped q
-`[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v `[B, Hkv, L, Dv + 1]` (values and a column
-of ones, zero at padding), state `[B, Hkv, F, Dv + 1]`. The features are computed here in
-float32 (so learned maps such as hedgehog get their gradients through autograd), then handed to
-`chunk_simple_gla` (no decay, scale 1) in the caller's dtype (bfloat16 for a bfloat16 model);
-fla accumulates in float32, and the state stays in the compute dtype (float32 or float64).
-fla wants as many key heads as query heads, so keys, values and the state are repeated over
-the G query heads of a group; the G copies of the final state are equal and one is kept. Its
-backward in half precision wants even feature and value widths: an odd one (Dv + 1 = 65) gets
-a zero column, which adds nothing to any sum, and is cut off again.
+`[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v `[B, Hkv, L, Dv + 1]` (values, then a
+weight column: 1 at a token, 0 at padding), state `[B, Hkv, F, Dv + 1]` (S, then z). The
+features are computed here in float32 (so learned maps such as hedgehog get their gradients
+through autograd). The numerator goes to `chunk_simple_gla` (no decay, scale 1) with the features
+in the caller's dtype (bfloat16 for a bfloat16 model); fla accumulates in float32, and the state
+stays in the compute dtype (float32 or float64). The denominator phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s))
+is a cumulative sum of the float32 features beside it, as fla's own normalised linear attention
+computes it: the values fla reads keep their width (64, not 65 padded to 66, which would double
+its value blocks). fla wants as many key heads as query heads, so keys, values and the state are
+repeated over the G query heads of a group; the G copies of the final state are equal and one is
+kept. Its backward in half precision wants even feature and value widths: an odd one gets a zero
+column, which adds nothing to any sum, and is cut off again.
 """
 
 from __future__ import annotations
@@ -42,19 +45,26 @@ def fla_chunked_linear_attention(
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the final state, in q's dtype."""
     batch, kv_heads, group, length, _ = q.shape
     heads, (features, width) = kv_heads * group, state.shape[-2:]
-    phi_q = _even(kernel.query_features(q).reshape(batch, heads, length, -1), -1)
-    phi_k = _even(kernel.key_features(k).repeat_interleave(group, dim=1), -1)
-    values = _even(v.repeat_interleave(group, dim=1), -1)
-    initial = _even(_even(state.repeat_interleave(group, dim=1), -1), -2).contiguous()
+    value_dim = width - 1
+    values, key_weights = v[..., :-1], v[..., -1:]
+    initial_s, initial_z = state[..., :-1], state[..., -1]
+    phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
+    running_z = initial_z[..., None, :] + torch.cumsum(phi_k * key_weights, dim=-2)  # [B, Hkv, L, F]
+    denominator = (phi_q * running_z[:, :, None]).sum(-1, keepdim=True)
     out, final = chunk_function(
-        *(x.transpose(1, 2).to(io_dtype).contiguous() for x in (phi_q, phi_k, values)),
+        _even(phi_q.reshape(batch, heads, length, -1), -1).transpose(1, 2).to(io_dtype).contiguous(),
+        *(
+            _even(x.repeat_interleave(group, dim=1), -1).transpose(1, 2).to(io_dtype).contiguous()
+            for x in (phi_k, values)
+        ),
         scale=1.0,
-        initial_state=initial,
+        initial_state=_even(_even(initial_s.repeat_interleave(group, dim=1), -1), -2).contiguous(),
         output_final_state=True,
     )
-    out = out[..., :width].transpose(1, 2).to(q.dtype).reshape(batch, kv_heads, group, length, width)
-    final = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :width]
-    return out, final.to(q.dtype).contiguous()  # one copy per KV head, not a view of all G
+    numerator = out[..., :value_dim].transpose(1, 2).to(q.dtype).reshape(batch, kv_heads, group, length, value_dim)
+    final_s = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :value_dim].to(q.dtype)
+    final_state = torch.cat([final_s, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
+    return torch.cat([numerator, denominator], dim=-1), final_state
 
 
 def chunk_simple_gla_reference(

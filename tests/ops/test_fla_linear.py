@@ -28,7 +28,7 @@ def reference_fla(monkeypatch):
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape, args[2].shape[-1]))  # (q features, value width)
         return chunk_simple_gla_reference(*args, **kwargs)
 
     monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
@@ -78,4 +78,21 @@ def test_fla_receives_one_head_per_query_head(reference_fla):
     q, k, v, _ = make_inputs(heads=6, kv_heads=2, length=5)
     state = RecurrentState.zeros(2, 2, spec.feature_dim(8), 8, 8)
     attention(q, k, v, spec, mode="chunked", state=state)
-    assert reference_fla == [torch.Size([2, 5, 6, 8])]  # time-major [B, L, H, F]
+    assert reference_fla == [(torch.Size([2, 5, 6, 8]), 8)]  # time-major [B, L, H, F]
+
+
+def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
+    """fla gets values of width Dv (64 in the real models, not 65 padded to 66): the denominator is
+    a cumulative sum beside it. An odd Dv is padded to even and cut off again."""
+    spec = FINITE_SPECS["linear_elu"]
+    for value_dim, expected in [(8, 8), (7, 8)]:
+        q, k, _, _ = make_inputs(heads=4, kv_heads=2, length=6)
+        v = torch.randn(2, 2, 6, value_dim, dtype=q.dtype)
+        with backends.fused_kernels(True):
+            fused, fused_state = attention(q, k, v, spec, mode="chunked")
+        with backends.fused_kernels(False):
+            plain, plain_state = attention(q, k, v, spec, mode="chunked")
+        assert reference_fla[-1][1] == expected
+        torch.testing.assert_close(fused, plain, **TOL)
+        for got, want in zip(fused_state.tensors(), plain_state.tensors()):
+            torch.testing.assert_close(got, want, **TOL)
