@@ -4,15 +4,16 @@ Same contract as `ops.linear.chunked_linear_attention` (which is its reference):
 `[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v `[B, Hkv, L, Dv + 1]` (values, then a
 weight column: 1 at a token, 0 at padding), state `[B, Hkv, F, Dv + 1]` (S, then z). The
 features are computed here in float32 (so learned maps such as hedgehog get their gradients
-through autograd). The numerator goes to `chunk_simple_gla` (no decay, scale 1) with the features
-in the caller's dtype (bfloat16 for a bfloat16 model); fla accumulates in float32, and the state
-stays in the compute dtype (float32 or float64). The denominator phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s))
-is a cumulative sum of the float32 features beside it, as fla's own normalised linear attention
-computes it: the values fla reads keep their width (64, not 65 padded to 66, which would double
-its value blocks). fla wants as many key heads as query heads, so keys, values and the state are
-repeated over the G query heads of a group; the G copies of the final state are equal and one is
-kept. Its backward in half precision wants even feature and value widths: an odd one gets a zero
-column, which adds nothing to any sum, and is cut off again.
+through autograd). The numerator goes to `chunk_simple_gla` (no decay, scale 1) with the
+features in the caller's dtype (bfloat16 for a bfloat16 model); fla accumulates in float32, and
+the state stays in the compute dtype (float32 or float64). The denominator
+phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s)) is a cumulative sum of the float32 features beside it,
+as fla's own normalised linear attention computes it: the values fla reads keep their width (64,
+not 65 padded to 66, for which fla's kernels would run one more block of 32 or 64 value columns).
+fla wants as many key heads as query heads, so keys, values and the state are repeated over the
+G query heads of a group; the G copies of the final state are equal and one is kept. Its backward
+in half precision wants even feature and value widths: an odd one gets a zero column, which adds
+nothing to any sum, and is cut off again.
 """
 
 from __future__ import annotations
