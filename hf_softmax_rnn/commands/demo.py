@@ -4,6 +4,8 @@ For each preset the pretrained model is converted (`hf_softmax_rnn.convert`, sam
 training) and measured: held-out perplexity, decoding speed and cache size after a prompt of
 each context length, and one greedy answer to a chat prompt. Conversions other than
 "softmax" are untrained, so their perplexity is poor until fine-tuned (`hf-softmax-rnn finetune`).
+`--trained DIR ...` adds rows for models saved by `finetune` (or any causal LM folder with the
+same vocabulary), measured the same way on the same text and prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
@@ -44,7 +47,7 @@ DEFAULT_PROMPT = "What is a Python dictionary? Answer in one sentence."
 SAMPLE_CHARS = 120
 _BYTE_UNITS = ("B", "KB", "MB", "GB")
 FINETUNE_HINT = (
-    "Only 'softmax' is the pretrained model unchanged; the other rows are converted with no training. "
+    "Of the presets only 'softmax' is the pretrained model unchanged; the others are converted with no training. "
     "`hf-softmax-rnn finetune` trains them; its default, hedgehog_window_64 (exact softmax over the last 64 "
     "positions, a learned feature map beyond), came back to 1.22x the original perplexity on SmolLM2-135M after "
     "200 distillation steps (the README's recovery benchmark)."
@@ -64,6 +67,9 @@ class DemoOptions:
     prefill_chunk: int = option(512, "prompt tokens per forward pass when prefilling (generate's prefill_chunk_size)")
     new_tokens: int = option(16, "tokens generated per speed measurement and per sample")
     prompt: str = option(DEFAULT_PROMPT, "chat prompt of the generated samples")
+    trained: list[Path] = option(
+        [], "folders of fine-tuned models (finetune's output) measured beside the presets", metavar="DIR"
+    )
     output: Path | None = option(None, "directory to write demo.md and demo.json into")
 
 
@@ -84,8 +90,11 @@ class GenerationTiming:
 
 
 @dataclasses.dataclass
-class PresetResult:
-    preset: str
+class ModelResult:
+    """One row: `name` is a preset name (`kind` "preset", converted here) or a folder ("trained")."""
+
+    name: str
+    kind: str
     description: str
     decode_state: str
     perplexity: float
@@ -154,17 +163,71 @@ def decode_state(spec: AttentionSpec, head_dim: int) -> str:
     return "KV cache (exact exp)" if spec.kind != "softmax" else "KV cache"
 
 
+def model_decode_state(config) -> str:
+    """How a saved model decodes: the `decode_state` shared by all its layers, else "mixed" (a plain
+    transformers model has no attention fields and decodes from a KV cache)."""
+    if not hasattr(config, "attention_spec"):
+        return "KV cache"
+    states = {
+        decode_state(config.attention_spec(i), config.attention_head_dim) for i in range(config.num_hidden_layers)
+    }
+    return states.pop() if len(states) == 1 else "mixed: recurrent state and KV cache"
+
+
 def evaluate_preset(
     base_model, tokenizer, preset: str, eval_ids: list[int], contexts: list[torch.Tensor], args
-) -> PresetResult:
+) -> ModelResult:
     """Convert `base_model` (a copy; the original is left as it is) to `preset` and measure it."""
+    spec = AttentionSpec.from_preset(preset)
+    head_dim = (
+        getattr(base_model.config, "head_dim", None)
+        or base_model.config.hidden_size // base_model.config.num_attention_heads
+    )
     model = convert(base_model, preset).eval()
+    return measure(
+        model, tokenizer, eval_ids, contexts, args, name=preset, kind="preset",
+        description=spec.describe(), decodes_from=decode_state(spec, head_dim),
+    )  # fmt: skip
+
+
+def check_trained(folders: list[Path], base_config) -> None:
+    """Refuse, before anything is measured, a `--trained` folder that holds no model config or whose
+    model reads other token ids than the base model (another vocabulary size)."""
+    for folder in folders:
+        if not (folder / "config.json").is_file():
+            raise UserInputError(
+                f"--trained {str(folder)!r} holds no config.json; expected a folder written by finetune"
+            )
+        vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+        if vocab_size != base_config.vocab_size:
+            raise UserInputError(
+                f"--trained {str(folder)!r} has vocab_size={vocab_size}, the --model has "
+                f"{base_config.vocab_size}; expected a model fine-tuned from the --model (same tokenizer)"
+            )
+
+
+def evaluate_trained(
+    folder: Path, base_model, tokenizer, eval_ids: list[int], contexts: list[torch.Tensor], args
+) -> ModelResult:
+    """Measure the model saved in `folder` as the presets are measured."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=base_model.dtype).eval()
+    summary = getattr(model.config, "attention_summary", lambda: "unconverted attention")()
+    return measure(
+        model, tokenizer, eval_ids, contexts, args, name=str(folder), kind="trained",
+        description=f"saved model; {summary}", decodes_from=model_decode_state(model.config),
+    )  # fmt: skip
+
+
+def measure(
+    model, tokenizer, eval_ids: list[int], contexts: list[torch.Tensor], args, *,
+    name: str, kind: str, description: str, decodes_from: str,
+) -> ModelResult:  # fmt: skip
+    """Held-out perplexity, decoding after each context and a greedy chat sample of `model`."""
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-    spec = AttentionSpec.from_preset(preset)
-    logger.info("%s: %s", preset, spec.describe())
+    logger.info("%s: %s", name, description)
     total_nll, num_tokens = stream_nll(
         model, eval_ids, max_length=args.eval_window, stride=args.eval_window - 1, progress=True
     )
@@ -174,21 +237,18 @@ def evaluate_preset(
         timing = time_generation(model, context_ids, args.new_tokens, args.prefill_chunk)
         logger.info(
             "%s at %d tokens of context: prefill %.1f s, %.1f tokens/s, cache %s",
-            preset,
+            name,
             timing.context,
             timing.prefill_s,
             timing.tokens_per_s,
             format_bytes(timing.cache_bytes),
         )
         timings.append(timing)
-    head_dim = (
-        getattr(base_model.config, "head_dim", None)
-        or base_model.config.hidden_size // base_model.config.num_attention_heads
-    )
-    return PresetResult(
-        preset=preset,
-        description=spec.describe(),
-        decode_state=decode_state(spec, head_dim),
+    return ModelResult(
+        name=name,
+        kind=kind,
+        description=description,
+        decode_state=decodes_from,
         perplexity=math.exp(mean_nll) if mean_nll < math.log(sys.float_info.max) else math.inf,
         eval_tokens=num_tokens,
         timings=timings,
@@ -202,16 +262,16 @@ def format_bytes(n: int) -> str:
     return f"{n / 1024**exponent:.1f} {_BYTE_UNITS[exponent]}" if exponent else f"{n} B"
 
 
-def format_table(results: list[PresetResult], model_name: str, eval_window: int) -> str:
+def format_table(results: list[ModelResult], model_name: str, eval_window: int) -> str:
     """The results as a markdown table, with the fine-tuning note underneath."""
     contexts = [t.context for t in results[0].timings]
-    header = ["preset", "decodes from", "perplexity"]
+    header = ["model", "decodes from", "perplexity"]
     for context in contexts:
         header += [f"tok/s @{context}", f"cache @{context}"]
     header.append("sample (greedy)")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for result in results:
-        row = [f"`{result.preset}`", result.decode_state, f"{result.perplexity:,.1f}"]
+        row = [f"`{result.name}`", result.decode_state, f"{result.perplexity:,.1f}"]
         for timing in result.timings:
             row += [f"{timing.tokens_per_s:.1f}", format_bytes(timing.cache_bytes)]
         sample = " ".join(result.sample.split())
@@ -228,7 +288,7 @@ def format_table(results: list[PresetResult], model_name: str, eval_window: int)
             "",
             *lines,
             "",
-            *(f"- `{r.preset}`: {r.description}" for r in results),
+            *(f"- `{r.name}`: {r.description}" for r in results),
             "",
             FINETUNE_HINT,
         ]
@@ -268,10 +328,15 @@ def run(args) -> str:
             f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
             f"max_position_embeddings={max_positions}; use shorter contexts"
         )
+    check_trained(args.trained, base_model.config)
     contexts = _context_prompts(corpus["train"]["text"], tokenizer, args.contexts)
     results = [
         evaluate_preset(base_model, tokenizer, preset, eval_ids, contexts, args)
         for preset in tqdm(args.presets, desc="Presets", unit="preset")
+    ]
+    results += [
+        evaluate_trained(folder, base_model, tokenizer, eval_ids, contexts, args)
+        for folder in tqdm(args.trained, desc="Trained models", unit="model", disable=not args.trained)
     ]
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
     table = format_table(results, model_name, args.eval_window)

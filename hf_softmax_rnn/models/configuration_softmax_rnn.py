@@ -79,8 +79,23 @@ class SoftmaxRNNConfigMixin:
         ]
 
     def attention_summary(self) -> str:
-        """One line per distinct spec: which layers use what."""
+        """Which layers use what, one part per distinct spec: "all 30 layers: ..." or
+        "layers 0-3, 7: ...; layers 4-6: ..."."""
         groups: dict[str, list[int]] = {}
         for i in range(self.num_hidden_layers):
             groups.setdefault(self.attention_spec(i).describe(), []).append(i)
-        return "; ".join(f"layers {layers}: {description}" for description, layers in groups.items())
+        if len(groups) == 1:
+            return f"all {self.num_hidden_layers} layers: {next(iter(groups))}"
+        return "; ".join(f"{_layer_ranges(layers)}: {description}" for description, layers in groups.items())
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> "layers 0-3, 7" (sorted indices)."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)

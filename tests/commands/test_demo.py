@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.commands.demo import chat_sample
 from hf_softmax_rnn.data.corpus import load_corpus
@@ -85,7 +86,7 @@ def demo_results(tiny_llama_dir, tmp_path_factory):
         )
         == 0
     )
-    return output, {r["preset"]: r for r in json.loads((output / "demo.json").read_text())["results"]}
+    return output, {r["name"]: r for r in json.loads((output / "demo.json").read_text())["results"]}
 
 
 def test_demo_writes_the_table(demo_results, capsys):
@@ -153,3 +154,51 @@ def test_demo_names_an_unreadable_dataset(tiny_llama_dir, tmp_path, capsys):
     assert run_demo(tiny_llama_dir, "--dataset", str(tmp_path / "held_out.txt")) == 2
     error = capsys.readouterr().err
     assert "hf-softmax-rnn demo: error: Dataset file " in error and "held_out.txt' is not UTF-8 text" in error
+
+
+@pytest.fixture(scope="module")
+def trained_results(tiny_llama_dir, tmp_path_factory):
+    """The demo with a saved converted model and the unconverted model itself as `--trained` rows."""
+    converted_dir = tmp_path_factory.mktemp("converted-elu")
+    convert(LlamaForCausalLM.from_pretrained(tiny_llama_dir), "linear_elu").save_pretrained(converted_dir)
+    output = tmp_path_factory.mktemp("demo-trained")
+    argv = ["--presets", "softmax", "--trained", str(converted_dir), str(tiny_llama_dir), "--output", str(output)]
+    assert run_demo(tiny_llama_dir, *argv) == 0
+    results = json.loads((output / "demo.json").read_text())["results"]
+    return converted_dir, output, results
+
+
+def test_trained_rows_are_measured_like_the_presets(trained_results, tiny_llama_dir):
+    converted_dir, output, results = trained_results
+    softmax, converted, plain = results
+    assert [r["kind"] for r in results] == ["preset", "trained", "trained"]
+    assert (converted["name"], plain["name"]) == (str(converted_dir), str(tiny_llama_dir))
+    # the unconverted model loaded from its folder is the softmax row again
+    assert plain["perplexity"] == pytest.approx(softmax["perplexity"], rel=1e-6)
+    assert plain["sample"] == softmax["sample"] and plain["decode_state"] == "KV cache"
+    assert [t["cache_bytes"] for t in plain["timings"]] == [t["cache_bytes"] for t in softmax["timings"]]
+    # the saved conversion: its own perplexity, computed here directly, and a constant state
+    model = AutoModelForCausalLM.from_pretrained(converted_dir).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_llama_dir)
+    ids = token_stream(tokenizer, load_corpus()["test"]["text"])[:EVAL_TOKENS]
+    nll, count = stream_nll(model, ids, max_length=EVAL_WINDOW, stride=EVAL_WINDOW - 1, progress=False)
+    assert converted["perplexity"] == pytest.approx(torch.tensor(nll / count).exp().item(), rel=1e-5)
+    assert converted["decode_state"] == "recurrent state"
+    assert converted["timings"][0]["cache_bytes"] == converted["timings"][1]["cache_bytes"] > 0
+    assert converted["description"].startswith("saved model; all 2 layers: linear attention with the elu feature")
+    assert plain["description"] == "saved model; unconverted attention"
+    table = (output / "demo.md").read_text()
+    assert f"| `{converted_dir}` | recurrent state |" in table and f"| `{tiny_llama_dir}` | KV cache |" in table
+
+
+def test_trained_folders_are_checked_before_anything_is_measured(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    from hf_softmax_rnn.commands import demo
+
+    monkeypatch.setattr(demo, "evaluate_preset", lambda *args: pytest.fail("measured before the check"))
+    assert run_demo(tiny_llama_dir, "--trained", str(tmp_path / "missing")) == 2
+    assert "--trained '" + str(tmp_path / "missing") + "' holds no config.json" in capsys.readouterr().err
+    other = tmp_path / "other-vocab"
+    LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE | dict(vocab_size=301))).save_pretrained(other)
+    assert run_demo(tiny_llama_dir, "--trained", str(other)) == 2
+    error = capsys.readouterr().err
+    assert "has vocab_size=301, the --model has 300" in error

@@ -44,6 +44,24 @@ def test_layer_overrides_make_a_hybrid_with_matching_cache_layer_types(make_conf
     assert sorted(config.layer_attention) == ["1", "2"]
 
 
+@pytest.mark.parametrize(
+    ("layer_attention", "expected"),
+    [
+        (None, "all 3 layers: E"),
+        ({1: "softmax"}, "layers 0, 2: E; layer 1: S"),
+        ({0: "softmax", 1: "softmax"}, "layers 0-1: S; layer 2: E"),
+    ],
+    ids=["one-spec", "split-run", "one-run"],
+)
+def test_attention_summary_names_layer_ranges(make_config, layer_attention, expected):
+    config = make_config(attention="linear_elu", layer_attention=layer_attention)
+    names = {
+        "E": AttentionSpec.from_preset("linear_elu").describe(),
+        "S": AttentionSpec.from_preset("softmax").describe(),
+    }
+    assert config.attention_summary() == expected.replace(": E", ": " + names["E"]).replace(": S", ": " + names["S"])
+
+
 @pytest.mark.filterwarnings("ignore:AttentionSpec.taylor_order=79 is odd")
 def test_state_too_large_for_the_head_size_decodes_from_a_kv_cache(make_config):
     config = make_config(attention="softmax_taylor_80terms")
