@@ -12,12 +12,15 @@ gradients, tested against the float64 references):
   when the caller needs no recurrent state (training and scoring without a cache).
 
 Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
-or `fused_kernels(False)` turns the fused kernels off (for comparisons).
+or `fused_kernels(False)` turns the fused kernels off (for comparisons). Where a fused kernel would
+apply but its package is not installed, the first such call logs a WARNING naming the package (the
+PyTorch forms are tens of times slower on a GPU), once per package.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +35,8 @@ FLA_MAX_FEATURES = 256
 #: The dtypes the fused kernels read (float64 runs the PyTorch forms).
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENV_VARIABLE = "HF_SOFTMAX_RNN_FUSED_KERNELS"
+INSTALL_HINT = "pip install 'hf-softmax-rnn[gpu]'"
+logger = logging.getLogger(__name__)
 #: The device types the fused kernels run on (tests add "cpu" to run Triton's interpreter).
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 _override: list[bool] = []
@@ -83,7 +88,10 @@ def fla_linear_function(device_type: str, dtype: torch.dtype, feature_dim: int, 
         return None
     if feature_dim > FLA_MAX_FEATURES:
         return None
-    return fla_chunk_function()
+    function = fla_chunk_function()
+    if function is None:
+        _warn_missing("fla-core", "chunked linear attention (feature maps, window hybrids)")
+    return function
 
 
 def polynomial_backend(
@@ -100,8 +108,21 @@ def polynomial_backend(
         return None
     if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
         return None
-    if spec.score_clamp is not None or not triton_available():
+    if spec.score_clamp is not None:
+        return None
+    if not triton_available():
+        _warn_missing("triton", "Taylor-2 attention without a cache")
         return None
     from hf_softmax_rnn.ops.triton_taylor import supports
 
     return "taylor2" if supports(head_dim, value_dim) else None
+
+
+@functools.cache
+def _warn_missing(package: str, computes: str) -> None:
+    """Say once per package that a fused kernel applies on this GPU call but `package` is missing."""
+    logger.warning(
+        "%s is not installed, so %s runs the PyTorch form on the GPU, tens of times slower than the fused "
+        "kernel (%s; HF_SOFTMAX_RNN_FUSED_KERNELS=0 silences this)",
+        package, computes, INSTALL_HINT,
+    )  # fmt: skip

@@ -70,11 +70,49 @@ def test_switches_turn_fused_kernels_off(installed, monkeypatch):
     assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
 
 
-def test_missing_packages_fall_back(monkeypatch):
+@pytest.fixture
+def missing_packages(monkeypatch):
     monkeypatch.setattr(backends, "triton_available", lambda: False)
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: None)
-    assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
-    assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
+    backends._warn_missing.cache_clear()
+    yield
+    backends._warn_missing.cache_clear()
+
+
+def test_missing_packages_fall_back_and_say_so_once(missing_packages, caplog):
+    with caplog.at_level("WARNING", logger=backends.__name__):
+        for _ in range(2):
+            assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
+            assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 2
+    assert warnings[0].startswith("fla-core is not installed, so chunked linear attention (feature maps, window")
+    assert warnings[1].startswith("triton is not installed, so Taylor-2 attention without a cache runs the PyTorch")
+    assert all(backends.INSTALL_HINT in warning for warning in warnings)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: backends.fla_linear_function("cpu", torch.float32, 64, None),
+        lambda: backends.fla_linear_function("cuda", torch.bfloat16, 512, None),
+        lambda: backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "recurrent", False, 64, 64),
+        lambda: backends.polynomial_backend("cuda", torch.float64, TAYLOR2, "parallel", False, 64, 64),
+    ],
+    ids=["cpu", "too_wide_for_fla", "recurrent", "float64"],
+)
+def test_no_warning_where_no_fused_kernel_applies(missing_packages, caplog, call):
+    with caplog.at_level("WARNING", logger=backends.__name__):
+        assert call() is None
+    assert not caplog.records
+
+
+def test_no_warning_when_fused_kernels_are_off(missing_packages, caplog, monkeypatch):
+    monkeypatch.setenv(backends.ENV_VARIABLE, "0")
+    with caplog.at_level("WARNING", logger=backends.__name__):
+        assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is None
+        assert backends.polynomial_backend("cuda", torch.bfloat16, TAYLOR2, "parallel", False, 64, 64) is None
+    assert not caplog.records
 
 
 def test_package_works_without_triton_and_fla():
