@@ -178,16 +178,9 @@ def evaluate_preset(
     base_model, tokenizer, preset: str, eval_ids: list[int], contexts: list[torch.Tensor], args
 ) -> ModelResult:
     """Convert `base_model` (a copy; the original is left as it is) to `preset` and measure it."""
-    spec = AttentionSpec.from_preset(preset)
-    head_dim = (
-        getattr(base_model.config, "head_dim", None)
-        or base_model.config.hidden_size // base_model.config.num_attention_heads
-    )
     model = convert(base_model, preset).eval()
-    return measure(
-        model, tokenizer, eval_ids, contexts, args, name=preset, kind="preset",
-        description=spec.describe(), decodes_from=decode_state(spec, head_dim),
-    )  # fmt: skip
+    description = AttentionSpec.from_preset(preset).describe()
+    return measure(model, tokenizer, eval_ids, contexts, args, name=preset, kind="preset", description=description)
 
 
 def check_trained(folders: list[Path], base_config) -> None:
@@ -212,16 +205,15 @@ def evaluate_trained(
     """Measure the model saved in `folder` as the presets are measured."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=base_model.dtype).eval()
     summary = getattr(model.config, "attention_summary", lambda: "unconverted attention")()
+    description = f"saved model; {summary}"
     return measure(
-        model, tokenizer, eval_ids, contexts, args, name=str(folder), kind="trained",
-        description=f"saved model; {summary}", decodes_from=model_decode_state(model.config),
-    )  # fmt: skip
+        model, tokenizer, eval_ids, contexts, args, name=str(folder), kind="trained", description=description
+    )
 
 
 def measure(
-    model, tokenizer, eval_ids: list[int], contexts: list[torch.Tensor], args, *,
-    name: str, kind: str, description: str, decodes_from: str,
-) -> ModelResult:  # fmt: skip
+    model, tokenizer, eval_ids: list[int], contexts: list[torch.Tensor], args, *, name: str, kind: str, description: str
+) -> ModelResult:
     """Held-out perplexity, decoding after each context and a greedy chat sample of `model`."""
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = (
@@ -248,7 +240,7 @@ def measure(
         name=name,
         kind=kind,
         description=description,
-        decode_state=decodes_from,
+        decode_state=model_decode_state(model.config),
         perplexity=math.exp(mean_nll) if mean_nll < math.log(sys.float_info.max) else math.inf,
         eval_tokens=num_tokens,
         timings=timings,
