@@ -21,7 +21,7 @@ import json
 import logging
 
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments
-from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, FinetuneConfig
 from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,10 @@ def summary(result) -> str:
         if not ratio <= RECOVERED_RATIO:  # (NaN included)
             logger.warning(
                 "The model after %r has %.2fx the held-out perplexity of the unconverted model (%.4g against "
-                "%.4g): it has not recovered. Train longer, or use a recipe that recovers (--attention "
-                "hedgehog_window_64; see the README's recovery benchmark).",
+                "%.4g): it has not recovered. Train longer, or use a recipe that recovers (--attention %s; see "
+                "the README's recovery benchmark).",
                 last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
+                DEFAULT_ATTENTION,
             )  # fmt: skip
     lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in evaluations.items()}))
     return "\n".join(lines)
