@@ -46,9 +46,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
+from hf_softmax_rnn import PRESETS
+from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.decoding import GraphedDecodeStep
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger("bench_generate")
@@ -257,23 +260,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output", type=Path, default=Path("docs/figures/bench_generate"), help="writes OUTPUT.png, .md and .json"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stops with one line (exit status 2) on a setting that is not allowed, before anything is loaded."""
+    if sorted(args.contexts) != args.contexts or args.contexts[0] < 1:
+        parser.error(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
+    for flag in ("warmup", "steps", "rounds", "prefill_chunk"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads} is not allowed; expected an int >= 1")
+    unknown = [name for name in args.presets or () if name not in PRESETS]
+    if unknown:
+        parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
+    try:
+        resolve_device(args.device)
+    except UserInputError as error:
+        parser.error(str(error))
+    if args.compile and args.cuda_graph:
+        parser.error("--compile and --cuda-graph are two ways to decode; pass one of them")
+    if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
+        parser.error(
+            f"--cuda-graph needs --device cuda (got {args.device!r}) and --warmup >= 2 (got {args.warmup}): "
+            "the first step runs eagerly, the second records the graph"
+        )
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if sorted(args.contexts) != args.contexts or args.contexts[0] < 1:
-        raise ValueError(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
-    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
-        raise ValueError("--warmup, --steps and --rounds must be at least 1")
-    if args.compile and args.cuda_graph:
-        raise ValueError("--compile and --cuda-graph are two ways to decode; pass one of them")
-    if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
-        raise ValueError(
-            f"--cuda-graph needs --device cuda (got {args.device!r}) and --warmup >= 2 (got {args.warmup}): "
-            "the first step runs eagerly, the second records the graph"
-        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.presets is None:

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.analysis.small_models import resolve_device
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.ops import attention, backends
 from hf_softmax_rnn.ops.kernels import AttentionParams
 
@@ -221,6 +223,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch={args.batch} is not allowed; expected an int >= 1")
+    try:
+        resolve_device(args.device)
+    except UserInputError as error:
+        parser.error(str(error))
     SHAPE["batch"] = args.batch  # read by the forked children too
     from tqdm import tqdm
 

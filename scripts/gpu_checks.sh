@@ -6,48 +6,88 @@
 # transformers' own compiled decoding (minutes of compilation).
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR] [SECONDS]      # default: gpu_results, 600
+#   STAGES="bench_ops_bf16 bench_ops_bf16_batch8" bash scripts/gpu_checks.sh ...   # only these, in order,
+#                                                                    each with all the time still left
+#   AUTOTUNE_CACHE=autotune.tgz bash scripts/gpu_checks.sh ...   # reuse an earlier run's autotuning
 #
 # Needs CUDA and `pip install -e ".[dev,gpu]"`; MODEL_CONFIG names the folder of the config.json to
 # time (default: scripts/smollm2_135m_config, SmolLM2-135M-Instruct's). fla-core autotunes dozens of
-# configurations per kernel on first use, and the Taylor-2 kernel three per kernel: on a fresh machine
-# the first fused calls take minutes of that alone.
+# configurations per kernel on first use, and the Taylor-2 kernel three or four per kernel: on a fresh
+# machine the first fused calls take minutes of that alone. Every run writes the winners to
+# RESULTS_DIR/autotune_cache.tgz (Triton's `*.autotune.json` files, a few KB); handed back through
+# AUTOTUNE_CACHE on the same GPU, Triton and kernel code, they skip the benchmarking of candidates.
 set -u -o pipefail
+stages=(graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32
+  bench_ops_fp32 fused_kernel_tests decode_compiled)
+for name in ${STAGES:-}; do
+  if [[ " ${stages[*]} " != *" $name "* ]]; then
+    echo "gpu_checks.sh: error: unknown stage '$name' in STAGES; stages: ${stages[*]}" >&2
+    exit 2
+  fi
+done
+if [ -n "${AUTOTUNE_CACHE:-}" ] && [ ! -f "$AUTOTUNE_CACHE" ]; then
+  echo "gpu_checks.sh: error: AUTOTUNE_CACHE '$AUTOTUNE_CACHE' is not a file" >&2
+  exit 2
+fi
 results=${1:-gpu_results}
 end=$((SECONDS + ${2:-600}))
 config=${MODEL_CONFIG:-scripts/smollm2_135m_config}
 mkdir -p "$results"
-left() { local r=$((end - SECONDS)); [ "$r" -lt 1 ] && r=1; [ "$r" -lt "$1" ] && echo "$r" || echo "$1"; }
-stage() { echo "=== $1 $(date +%T), $((end - SECONDS)) s left"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -n "${AUTOTUNE_CACHE:-}" ] && tar xzf "$AUTOTUNE_CACHE" -C "$TRITON_CACHE_DIR"
+save_autotune_cache() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf - --null -T -) \
+    > "$results/autotune_cache.tgz"
+}
+trap save_autotune_cache EXIT
+left() {  # seconds for a stage: its share of a full run, or all that is left when STAGES picks stages
+  local r=$((end - SECONDS)); [ "$r" -lt 1 ] && r=1
+  [ -z "${STAGES:-}" ] && [ "$r" -gt "$1" ] && r=$1
+  echo "$r"
+}
+stage() {  # true when the stage is to run (every stage when STAGES is unset)
+  [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $1 "* ]] && return 1
+  echo "=== $1 $(date +%T), $((end - SECONDS)) s left"
+}
 run_tests() {  # log name, seconds, pytest arguments
   local log="$results/$1.log" seconds=$2
   shift 2
   timeout "$(left "$seconds")" python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider "$@" > "$log" 2>&1
   echo "pytest exit status $?"; grep -E "passed|failed|FAILED" "$log" | tail -15
 }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 decode=(python scripts/bench_generate.py --device cuda --random-weights --model "$config"
   --contexts 128 16384 --steps 8 --rounds 3 --warmup 3 --prefill-chunk 4096)
 ops=(python scripts/bench_ops.py --device cuda --lengths 4096 16384 --repeats 3)
 
-stage graphed_decoding_tests
-run_tests gpu_tests_graphed 60 tests/gpu/test_graphed_decoding.py
-stage decode_graph_bf16
-timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \
-  --presets linear_elu hedgehog_window_64 softmax_taylor_2 --output "$results/bench_generate_cuda_bf16_graph"
-stage bench_ops_bf16
-timeout "$(left 90)" "${ops[@]}" --dtype bfloat16 --output "$results/bench_ops_cuda_bf16"
-stage bench_ops_bf16_batch8
-timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --batch 8 --lengths 16384 --presets softmax linear_elu fla \
-  --output "$results/bench_ops_cuda_bf16_batch8"
-stage decode_graph_fp32
-timeout "$(left 60)" "${decode[@]}" --dtype float32 --cuda-graph --presets linear_elu softmax_taylor_2 \
-  --output "$results/bench_generate_cuda_fp32_graph"
-stage bench_ops_fp32
-timeout "$(left 120)" "${ops[@]}" --dtype float32 --output "$results/bench_ops_cuda_fp32"
-stage fused_kernel_tests
-run_tests gpu_tests_fused 200 tests/gpu/test_fused_kernels.py tests/ops/test_triton_taylor.py \
-  tests/ops/test_fla_linear.py tests/ops/test_backends.py
-stage decode_compiled
-timeout "$(left 300)" "${decode[@]}" --dtype bfloat16 --compile --presets linear_elu \
-  --output "$results/bench_generate_cuda_bf16_compiled"
-stage end
+if stage graphed_decoding_tests; then
+  run_tests gpu_tests_graphed 60 tests/gpu/test_graphed_decoding.py
+fi
+if stage decode_graph_bf16; then
+  timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \
+    --presets linear_elu hedgehog_window_64 softmax_taylor_2 --output "$results/bench_generate_cuda_bf16_graph"
+fi
+if stage bench_ops_bf16; then
+  timeout "$(left 90)" "${ops[@]}" --dtype bfloat16 --output "$results/bench_ops_cuda_bf16"
+fi
+if stage bench_ops_bf16_batch8; then
+  timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --batch 8 --lengths 16384 --presets softmax linear_elu fla \
+    --output "$results/bench_ops_cuda_bf16_batch8"
+fi
+if stage decode_graph_fp32; then
+  timeout "$(left 60)" "${decode[@]}" --dtype float32 --cuda-graph --presets linear_elu softmax_taylor_2 \
+    --output "$results/bench_generate_cuda_fp32_graph"
+fi
+if stage bench_ops_fp32; then
+  timeout "$(left 120)" "${ops[@]}" --dtype float32 --output "$results/bench_ops_cuda_fp32"
+fi
+if stage fused_kernel_tests; then
+  run_tests gpu_tests_fused 200 tests/gpu/test_fused_kernels.py tests/ops/test_triton_taylor.py \
+    tests/ops/test_fla_linear.py tests/ops/test_backends.py
+fi
+if stage decode_compiled; then
+  timeout "$(left 300)" "${decode[@]}" --dtype bfloat16 --compile --presets linear_elu \
+    --output "$results/bench_generate_cuda_bf16_compiled"
+fi
+echo "=== end $(date +%T), $((end - SECONDS)) s left"

@@ -55,8 +55,37 @@ def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
     assert "static cache + torch.compile(mode='default')" in printed
 
 
-def test_cuda_graph_decoding_needs_a_gpu_and_two_warm_up_steps(tmp_path, monkeypatch, capsys):
-    with pytest.raises(ValueError, match="--cuda-graph needs --device cuda \\(got 'cpu'\\)"):
-        _run(tmp_path, monkeypatch, capsys, "--cuda-graph")
-    with pytest.raises(ValueError, match="--compile and --cuda-graph are two ways to decode"):
-        _run(tmp_path, monkeypatch, capsys, "--cuda-graph", "--compile")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cuda-graph"], "--cuda-graph needs --device cuda (got 'cpu')"),
+        (["--cuda-graph", "--compile"], "--compile and --cuda-graph are two ways to decode"),
+        (["--device", "cuda"], "--device='cuda' is not available on this machine"),
+        (["--device", "tpu9"], "--device='tpu9' is not allowed"),
+        (["--presets", "linear_elu", "nope"], "--presets nope: unknown; expected names from softmax,"),
+        (["--steps", "0"], "--steps=0 is not allowed"),
+        (["--prefill-chunk", "0"], "--prefill-chunk=0 is not allowed"),
+        (["--threads", "0"], "--threads=0 is not allowed"),
+    ],
+    ids=[
+        "graph_on_cpu",
+        "graph_and_compile",
+        "cuda_without_gpu",
+        "unknown_device",
+        "unknown_preset",
+        "steps_0",
+        "prefill_chunk_0",
+        "threads_0",
+    ],
+)
+def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", _must_not_load)
+    with pytest.raises(SystemExit) as exit_info:
+        _run(tmp_path, monkeypatch, capsys, *argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a bad argument must stop the script before a model is loaded")

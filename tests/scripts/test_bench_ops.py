@@ -33,8 +33,18 @@ def test_rows_of_the_chosen_presets_at_the_chosen_batch(tmp_path, monkeypatch, c
     assert output.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--batch", "0"], "--batch=0"), (["--presets", "nope"], "nope")])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "0"], "--batch=0"),
+        (["--presets", "nope"], "nope"),
+        (["--device", "cuda"], "--device='cuda' is not available on this machine"),
+        (["--device", "tpu9"], "--device='tpu9' is not allowed"),
+    ],
+    ids=["batch_0", "unknown_preset", "cuda_without_gpu", "unknown_device"],
+)
 def test_bad_arguments_are_refused(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         _run(monkeypatch, *argv)
     assert exit_info.value.code == 2

@@ -1,0 +1,53 @@
+"""scripts/gpu_checks.sh without a GPU: its settings are checked before anything runs, and the
+autotuning winners of one run are handed to the next (the stage run here fails at once on CPU)."""
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks.sh"
+ROOT = SCRIPT.parents[1]
+
+
+def _run(results: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(results), "60"], cwd=ROOT, env=environment, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"STAGES": "bench_ops_bf16 nope"}, "unknown stage 'nope' in STAGES; stages: graphed_decoding_tests"),
+        ({"AUTOTUNE_CACHE": "missing.tgz"}, "AUTOTUNE_CACHE 'missing.tgz' is not a file"),
+    ],
+    ids=["unknown_stage", "missing_autotune_cache"],
+)
+def test_bad_settings_stop_before_anything_runs(tmp_path, env, message):
+    run = _run(tmp_path / "results", **env)
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_autotuning_winners_travel_from_one_run_to_the_next(tmp_path):
+    first_cache = tmp_path / "triton_first"
+    (first_cache / "f00d").mkdir(parents=True)
+    (first_cache / "f00d" / "_kernel.autotune.json").write_text('{"configs_timings": []}')
+    (first_cache / "f00d" / "_kernel.cubin").write_bytes(b"\0" * 64)
+    first = _run(tmp_path / "first", STAGES="decode_graph_bf16", TRITON_CACHE_DIR=str(first_cache))
+    assert "=== decode_graph_bf16" in first.stdout and "=== end" in first.stdout
+    assert "decode_graph_fp32" not in first.stdout  # only the chosen stage ran
+    archive = tmp_path / "first" / "autotune_cache.tgz"
+    with tarfile.open(archive) as saved:
+        assert [name for name in saved.getnames() if not saved.getmember(name).isdir()] == [
+            "./f00d/_kernel.autotune.json"
+        ]
+    second_cache = tmp_path / "triton_second"
+    _run(tmp_path / "second", STAGES="decode_graph_bf16", TRITON_CACHE_DIR=str(second_cache),
+         AUTOTUNE_CACHE=str(archive))  # fmt: skip
+    assert (second_cache / "f00d" / "_kernel.autotune.json").read_text() == '{"configs_timings": []}'
