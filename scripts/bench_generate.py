@@ -38,6 +38,7 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -277,10 +278,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     unknown = [name for name in args.presets or () if name not in PRESETS]
     if unknown:
         parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
-    try:
-        resolve_device(args.device)
-    except UserInputError as error:
-        parser.error(str(error))
     if args.compile and args.cuda_graph:
         parser.error("--compile and --cuda-graph are two ways to decode; pass one of them")
     if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
@@ -292,6 +289,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main() -> None:
     args = parse_args()
+    try:  # what this machine has, apart from parse_args (which checks the README's GPU commands anywhere)
+        resolve_device(args.device)
+    except UserInputError as error:
+        print(f"bench_generate.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -149,8 +149,10 @@ class FinetuneConfig:
     text_column: str = option("text", "column holding the text", group=_DATA)
     streaming: bool = option(False, "stream the dataset instead of loading it whole", group=_DATA)
     test_fraction: float = option(0.1, "held-out share when the data has no test split", group=_DATA)
-    block_size: int = option(256, "tokens per packed block", group=_DATA)
-    batch_size: int = option(4, "blocks per process per micro-batch", group=_DATA)
+    block_size: int = option(
+        1024, "tokens per packed block, trained and scored (long blocks teach the state long range)", group=_DATA
+    )
+    batch_size: int = option(1, "blocks per process per micro-batch", group=_DATA)
     grad_accum: int = option(1, "micro-batches per optimizer step", group=_DATA)
     eval_batch_size: int = option(8, "blocks per process per evaluation batch", group=_DATA)
     max_eval_blocks: int | None = option(

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from hf_softmax_rnn.errors import UserInputError
@@ -111,8 +112,8 @@ def plot_loss_curves(
         twin.set_yscale("log")
         twin.set_ylabel("held-out perplexity (log scale)", color="tab:red")
         twin.legend(loc="best", fontsize="small")
-    if title:
-        fig.suptitle(title)
+    if title:  # wrapped to the figure's width (about 11 characters per inch at this size)
+        fig.suptitle(textwrap.fill(title, width=11 * 6 * len(axes[0])), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
