@@ -14,8 +14,9 @@
 # time (default: scripts/smollm2_135m_config, SmolLM2-135M-Instruct's). fla-core autotunes dozens of
 # configurations per kernel on first use, and the Taylor-2 kernel three or four per kernel: on a fresh
 # machine the first fused calls take minutes of that alone. Every run writes the winners to
-# RESULTS_DIR/autotune_cache.tgz (Triton's `*.autotune.json` files, a few KB); handed back through
-# AUTOTUNE_CACHE on the same GPU, Triton and kernel code, they skip the benchmarking of candidates.
+# RESULTS_DIR/autotune_cache.tgz (Triton's on-disk `*.autotune.json` files); handed back through
+# AUTOTUNE_CACHE on the same GPU, Triton and kernel code, Triton reads them instead of benchmarking
+# the candidates again (not yet tried on a GPU).
 set -u -o pipefail
 stages=(graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32
   bench_ops_fp32 fused_kernel_tests decode_compiled)

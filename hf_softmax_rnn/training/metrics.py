@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curves.png"
+PANEL_INCHES = 6  # width of one stage's panel in the loss-curve plot
 TENSORBOARD_DIR = "runs"
 #: Evaluation points before any training (stages log under their own names).
 BEFORE_CONVERSION = "base"
@@ -97,7 +98,8 @@ def plot_loss_curves(
 
     stages = list(dict.fromkeys(r["stage"] for r in records if "loss" in r))
     reference_values = {r["stage"]: r["perplexity"] for r in records if r["stage"] in references and "perplexity" in r}
-    fig, axes = plt.subplots(1, max(len(stages), 1), figsize=(6 * max(len(stages), 1), 4), squeeze=False)
+    panels = max(len(stages), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(PANEL_INCHES * panels, 4), squeeze=False)
     for axis, stage in zip(axes[0], stages):
         train = [r for r in records if r["stage"] == stage and "loss" in r]
         axis.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
@@ -113,7 +115,7 @@ def plot_loss_curves(
         twin.set_ylabel("held-out perplexity (log scale)", color="tab:red")
         twin.legend(loc="best", fontsize="small")
     if title:  # wrapped to the figure's width (about 11 characters per inch at this size)
-        fig.suptitle(textwrap.fill(title, width=11 * 6 * len(axes[0])), fontsize="medium")
+        fig.suptitle(textwrap.fill(title, width=11 * PANEL_INCHES * panels), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

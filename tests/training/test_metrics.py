@@ -25,8 +25,7 @@ def test_a_long_title_stays_inside_the_figure(tmp_path, monkeypatch, stages):
     path = plot_loss_curves(records, tmp_path / "curves.png", title=LONG_TITLE)
     assert path.stat().st_size > 0
     (figure,) = figures
-    renderer = figure.canvas.get_renderer()
-    title = figure.get_suptitle()
-    assert " ".join(title.split()) == LONG_TITLE
-    box, frame = figure._suptitle.get_window_extent(renderer), figure.bbox
+    (title,) = [text for text in figure.texts if text.get_text() == figure.get_suptitle()]
+    assert " ".join(title.get_text().split()) == LONG_TITLE
+    box, frame = title.get_window_extent(figure.canvas.get_renderer()), figure.bbox
     assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
