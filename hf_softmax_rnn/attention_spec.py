@@ -47,6 +47,9 @@ NO_CACHE_MODES = ("parallel", "chunked")
 #: Largest recurrent state (numerator + denominator, one KV head, float32) accepted by
 #: default; a larger Taylor state raises with its size instead of exhausting memory.
 DEFAULT_MAX_STATE_BYTES = 256 * 2**20
+#: Largest Taylor order accepted: the quadratic form evaluates order + 1 terms per score, so a
+#: larger order is refused with this bound instead of a call that does not return.
+MAX_TAYLOR_ORDER = 1024
 
 
 def _choice_error(field: str, value: Any, allowed: tuple) -> ValueError:
@@ -55,8 +58,8 @@ def _choice_error(field: str, value: Any, allowed: tuple) -> ValueError:
 
 def taylor_feature_dim(head_dim: int, order: int) -> int:
     """Size of the Taylor feature map phi_N in the symmetric monomial basis:
-    sum_{n<=N} C(d+n-1, n) (d=64: 1 + 64 + 2080 for N = 2)."""
-    return sum(math.comb(head_dim + n - 1, n) for n in range(order + 1))
+    sum_{n<=N} C(d+n-1, n) = C(d+N, N) (d=64: 1 + 64 + 2080 for N = 2)."""
+    return math.comb(head_dim + order, order)
 
 
 @dataclass
@@ -115,10 +118,14 @@ class AttentionSpec:
         if self.feature_map is not None and self.feature_map not in FEATURE_MAPS:
             raise _choice_error("feature_map", self.feature_map, FEATURE_MAPS)
         if self.taylor_order is not None and (
-            not isinstance(self.taylor_order, int) or isinstance(self.taylor_order, bool) or self.taylor_order < 0
+            not isinstance(self.taylor_order, int)
+            or isinstance(self.taylor_order, bool)
+            or not 0 <= self.taylor_order <= MAX_TAYLOR_ORDER
         ):
             raise ValueError(
-                f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed; expected None or an int >= 0"
+                f"AttentionSpec.taylor_order={self.taylor_order!r} is not allowed; expected None or an int from 0 to "
+                f"{MAX_TAYLOR_ORDER} (the quadratic form evaluates taylor_order + 1 terms per score; the state of "
+                "order N has C(head_dim + N, N) features)"
             )
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"AttentionSpec.chunk_size={self.chunk_size!r} is not allowed; expected an int >= 1")
@@ -132,8 +139,8 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec.hedgehog_dim={self.hedgehog_dim!r} is not allowed; expected None or an int >= 1"
             )
-        if not self.norm_eps > 0:
-            raise ValueError(f"AttentionSpec.norm_eps={self.norm_eps!r} is not allowed; expected a float > 0")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps > 0):
+            raise ValueError(f"AttentionSpec.norm_eps={self.norm_eps!r} is not allowed; expected a finite float > 0")
         if self.window is not None and self.window < 1:
             raise ValueError(f"AttentionSpec.window={self.window!r} is not allowed; expected None or an int >= 1")
 

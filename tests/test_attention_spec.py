@@ -1,10 +1,12 @@
 """AttentionSpec: presets, dict round trip and validation messages."""
 
+import math
 import warnings
 
 import pytest
 
 from hf_softmax_rnn import PRESETS, AttentionSpec
+from hf_softmax_rnn.attention_spec import taylor_feature_dim
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -104,3 +106,31 @@ def test_window_presets_describe_and_size_their_state():
     assert "exact exp over the last 64 positions" in spec.describe()
     assert spec.state_bytes(64) == (128 * 65 + 64 * (64 + 65)) * 4
     assert AttentionSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        pytest.param(dict(norm_eps=float("inf")), r"norm_eps=inf is not allowed; expected a finite", id="norm_eps_inf"),
+        pytest.param(dict(norm_eps=float("nan")), r"norm_eps=nan is not allowed", id="norm_eps_nan"),
+        pytest.param(dict(taylor_order=10**9), r"taylor_order=1000000000 is not allowed.* 0 to 1024", id="order_1e9"),
+        pytest.param(dict(taylor_order=1025), r"taylor_order=1025 is not allowed", id="order_1025"),
+    ],
+)
+def test_values_that_cannot_be_computed_are_refused_at_construction(fields, message):
+    """An infinite eps gives all-zero outputs; a huge Taylor order a call that does not return."""
+    with pytest.raises(ValueError, match=message):
+        AttentionSpec(kind="recurrent_softmax", **fields)
+
+
+@pytest.mark.parametrize("order", [0, 2, 7], ids=lambda order: f"order_{order}")
+def test_taylor_feature_dim_is_the_count_of_monomials(order):
+    monomials = sum(math.comb(8 + n - 1, n) for n in range(order + 1))
+    assert taylor_feature_dim(8, order) == monomials
+
+
+def test_the_largest_taylor_order_states_its_size_quickly():
+    spec = AttentionSpec(kind="recurrent_softmax", taylor_order=1024, normalizer="l2")
+    assert not spec.fits_recurrent_state(64)
+    with pytest.raises(ValueError, match=r"order-1024 Taylor state for head_dim=64 needs [\d,]+ bytes"):
+        spec.check_mode("chunked", 64)

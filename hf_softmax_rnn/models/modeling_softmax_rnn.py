@@ -12,6 +12,7 @@ registration, so this module may travel with a checkpoint.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -23,6 +24,7 @@ from transformers.utils.import_utils import is_torchdynamo_compiling
 from hf_softmax_rnn.hub import RemoteCodeMixin
 from hf_softmax_rnn.layers.attention import RNNParams
 from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
+from hf_softmax_rnn.ops.attention import check_padding_mask
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +77,39 @@ def _computed_by_softmax_rnn_layers(module: torch.nn.Module, *args, **kwargs):
 AttentionInterface.register(ATTN_IMPLEMENTATION, _computed_by_softmax_rnn_layers)
 
 
-def _refuse_attention_weights_hook(model, args, kwargs) -> None:
-    model._refuse_attention_weights(kwargs.get("output_attentions"))
+def check_positions(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+    """Refuse packed sequences: `position_ids` `[B, L]` must count up by one between neighbouring
+    tokens (padding excluded, as `attention_mask`'s last L columns say). A restart or jump means
+    several documents in one row, whose attention these layers would let cross; with or without a
+    cache, in `generate` too. Under torch.compile the check is an asynchronous assert (no graph break)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return
+    steps_ok = torch.diff(position_ids, dim=-1) == 1
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        visible = attention_mask[:, -position_ids.shape[-1] :].bool()
+        steps_ok = steps_ok | ~(visible[:, 1:] & visible[:, :-1])
+    message = (
+        "position_ids restart or jump inside a row (packed sequences): softmax_rnn attention would attend across "
+        "the documents; pass one sequence per row, padded, with its attention_mask"
+    )
+    if is_torchdynamo_compiling():
+        torch._assert_async(steps_ok.all(), message)
+        return
+    if position_ids.device.type != "meta" and not bool(steps_ok.all()):
+        row, column = (~steps_ok).nonzero()[0].tolist()
+        found = position_ids[row, column : column + 2].tolist()
+        raise ValueError(f"{message} (row {row}, columns {column}-{column + 1}: positions {found})")
+
+
+def _check_inputs_hook(model, args, kwargs) -> None:
+    """Before each forward: attention weights refused, the padding mask's values (bool or 0/1) and
+    the positions (no packed sequences) checked."""
+    inputs = {**dict(zip(model._forward_argument_names, args)), **kwargs}
+    model._refuse_attention_weights(inputs.get("output_attentions"))
+    attention_mask = inputs.get("attention_mask")
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        check_padding_mask(attention_mask)
+    check_positions(inputs.get("position_ids"), attention_mask)
 
 
 class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
@@ -111,7 +144,8 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
     def post_init(self) -> None:
         """transformers' `post_init` after swapping each block's attention module for the softmax_rnn one
         (same parameter names, so state dicts load unchanged), plus a check before each forward (the
-        forward keeps its signature, which `generate` reads): `output_attentions=True` raises."""
+        forward keeps its signature, which `generate` reads): `output_attentions=True` raises, a mask
+        that is not bool or 0/1 raises, and so do packed sequences (`check_positions`)."""
         block_class, name, attention_class = self.attention_slot
         for block in self.modules():
             attention = getattr(block, name, None) if isinstance(block, block_class) else None
@@ -119,7 +153,8 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
                 setattr(block, name, attention_class(self.config, attention.layer_idx))
         super().post_init()
         if not getattr(self, "_refuses_attention_weights", False):
-            self.register_forward_pre_hook(_refuse_attention_weights_hook, with_kwargs=True)
+            self._forward_argument_names = tuple(inspect.signature(self.forward).parameters)
+            self.register_forward_pre_hook(_check_inputs_hook, with_kwargs=True)
             self._refuses_attention_weights = True
 
     def generate(self, *args, **kwargs):

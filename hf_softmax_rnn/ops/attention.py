@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ class RecurrentState:
     A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
     `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
     zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
+    `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
+    equality when it is passed back, so that a state of another spec is refused whatever its
+    shapes; None for a state built by hand (only its shapes are checked).
     """
 
     packed: torch.Tensor
@@ -39,6 +43,7 @@ class RecurrentState:
     window_keys: torch.Tensor | None = None
     window_values: torch.Tensor | None = None
     window_valid: torch.Tensor | None = None
+    made_by: tuple | None = None
 
     @property
     def S(self) -> torch.Tensor:
@@ -74,9 +79,8 @@ class RecurrentState:
         return state
 
     def tensors(self) -> list[torch.Tensor]:
-        return [
-            getattr(self, field.name) for field in dataclasses.fields(self) if getattr(self, field.name) is not None
-        ]
+        values = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return [value for value in values if isinstance(value, torch.Tensor)]
 
     @property
     def nbytes(self) -> int:
@@ -84,15 +88,60 @@ class RecurrentState:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RecurrentState:
         """Apply `fn` to each tensor (index_select, repeat_interleave, ...) along the batch."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         return RecurrentState(
-            **{
-                field.name: None if getattr(self, field.name) is None else fn(getattr(self, field.name))
-                for field in dataclasses.fields(self)
-            }
+            **{name: fn(value) if isinstance(value, torch.Tensor) else value for name, value in values.items()}
         )
 
 
-def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> None:
+def state_tag(spec: AttentionSpec, scale: float, heads: int, kv_heads: int, head_dim: int, value_dim: int) -> tuple:
+    """What a state made by `spec` holds: every spec field but `chunk_size` (which changes how the
+    state is computed, not what it holds), the q.k scale and the head layout, as (name, value) pairs."""
+    fields = tuple((field.name, getattr(spec, field.name)) for field in dataclasses.fields(spec))
+    layout = (
+        ("scale", scale),
+        ("heads", heads),
+        ("kv_heads", kv_heads),
+        ("head_dim", head_dim),
+        ("value_dim", value_dim),
+    )
+    return tuple(item for item in fields if item[0] != "chunk_size") + layout
+
+
+def check_padding_mask(attention_mask, name: str = "attention_mask") -> None:
+    """A padding mask is a tensor of bools or of exactly 0 and 1 (1 = token); any other value raises,
+    named. Reads the values (one reduction) only for a non-bool mask outside torch.compile."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of 0/1 or bools; got {type(attention_mask).__name__}")
+    if attention_mask.dtype == torch.bool or attention_mask.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if attention_mask.is_complex():
+        raise TypeError(f"{name} must hold 0/1 or bools; got dtype {attention_mask.dtype}")
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} must hold only 0 (padding) and 1 (token), or bools; it holds {attention_mask[bad][0].item()!r}"
+        )
+
+
+def _check_tensors(q, k, v) -> None:
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor; got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"attention: {name} has dtype {tensor.dtype}; expected a real floating dtype "
+                "(float32, float64, bfloat16, float16)"
+            )
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
+        raise ValueError(
+            f"attention: q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
+            f"{v.dtype}/{v.device}"
+        )
+
+
+def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
+    _check_tensors(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects q [B, H, L, D] and k, v [B, Hkv, L, D]; got shapes {tuple(q.shape)}, "
@@ -106,8 +155,19 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
         raise ValueError(f"attention: mode={mode!r} is not allowed; expected one of {list(MODES)}")
     if mode != "parallel" and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"attention: mode={mode!r} needs as many keys as queries (the past lives in `state`)")
+    if mode == "parallel" and k.shape[-2] < q.shape[-2]:
+        raise ValueError(
+            f"attention: mode='parallel' needs at least as many keys as queries (the queries are the last "
+            f"positions); got {k.shape[-2]} keys for {q.shape[-2]} queries"
+        )
+    if scale is not None and (
+        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"attention: scale={scale!r} is not allowed; expected None or a finite number > 0")
     if mode == "parallel" and state is not None:
         raise ValueError("attention: mode='parallel' takes no state; pass past keys and values in k, v instead")
+    if attention_mask is not None:
+        check_padding_mask(attention_mask)
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != q.shape[0]):
         raise ValueError(
             f"attention_mask must be a 2-D padding mask [B, L_total]; got shape {tuple(attention_mask.shape)}"
@@ -125,12 +185,26 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
-    if state is not None:
-        _check_state(state, q, k, v, spec)
 
 
-def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
-    """A state from another spec, head size or batch raises here, naming what differs."""
+def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec, tag: tuple) -> None:
+    """A state from another spec, scale, head layout or batch raises here, naming what differs."""
+    if not isinstance(state, RecurrentState):
+        raise TypeError(
+            f"attention: state must be the RecurrentState a previous call returned (or None); got "
+            f"{type(state).__name__}"
+        )
+    if state.made_by is not None and state.made_by != tag:
+        made, wanted = dict(state.made_by), dict(tag)
+        differs = [
+            f"{name}={made.get(name)!r} (here {wanted.get(name)!r})"
+            for name in wanted
+            if made.get(name) != wanted[name]
+        ]
+        raise ValueError(
+            f"attention: the state was made for another attention than {spec.describe()}: it has "
+            f"{', '.join(differs)}; start from state=None"
+        )
     expected = (q.shape[0], k.shape[1], spec.feature_dim(q.shape[-1]), v.shape[-1] + 1)
     if tuple(state.packed.shape) != expected:
         raise ValueError(
@@ -169,7 +243,7 @@ def attention(
         k, v: `[B, Hkv, Lk, D]` keys and values. In parallel mode Lk >= L and the queries are
             the last L positions (decoding from a KV cache); otherwise Lk == L. With
             `spec.input_gate` the caller passes the gated values (so that a KV cache holds them).
-        spec: the attention variant.
+        spec: the attention variant (an `AttentionSpec`, a dict of its fields or a preset name).
         mode: "parallel" (masked L x L, every variant), "chunked" or "recurrent" (finite
             state only: linear feature maps or Taylor order N, no score clamp).
         attention_mask: `[B, L_total]` padding mask (1 = token, 0 = padding; left padding
@@ -189,8 +263,13 @@ def attention(
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
         return_state)`.
     """
+    if not isinstance(spec, (AttentionSpec, str, dict)):
+        raise TypeError(
+            f"attention: spec must be an AttentionSpec, a dict of its fields or a preset name; got {spec!r}"
+        )
+    spec = AttentionSpec.coerce(spec)
     gates, params = gates or {}, params or AttentionParams()
-    _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params)
+    _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
             f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "
@@ -200,6 +279,9 @@ def attention(
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     softmax_scale = head_dim**-0.5 if scale is None else scale
+    tag = state_tag(spec, softmax_scale, heads, kv_heads, head_dim, value_dim)
+    if state is not None:
+        _check_state(state, q, k, v, spec, tag)
     key_len = k.shape[-2] if mode == "parallel" else length
     if attention_mask is None:
         key_mask = torch.ones(batch, key_len, dtype=torch.bool, device=q.device)
@@ -259,6 +341,7 @@ def attention(
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
         new_state.t = visible[:, 0, -1]
+        new_state.made_by = tag
         if not return_state:
             new_state = None
 

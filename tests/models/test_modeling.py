@@ -160,12 +160,54 @@ def test_step_by_step_forward_with_a_bare_dynamic_cache_matches_full_forward(fam
     assert cache.get_seq_length() == 9
 
 
-def test_packed_sequences_without_a_mask_raise(family):
+PACKED_PATHS = {
+    "forward_no_cache": lambda model, ids, positions, mask: model(
+        ids, position_ids=positions, attention_mask=mask, use_cache=False
+    ),
+    "forward_default_cache": lambda model, ids, positions, mask: model(
+        ids, position_ids=positions, attention_mask=mask
+    ),
+    "forward_bare_dynamic_cache": lambda model, ids, positions, mask: model(
+        ids, position_ids=positions, attention_mask=mask, cache=DynamicCache(), use_cache=True
+    ),
+    "generate": lambda model, ids, positions, mask: model.generate(
+        ids, position_ids=positions, attention_mask=mask, max_new_tokens=2, do_sample=False
+    ),
+}
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "all_ones_mask"])
+@pytest.mark.parametrize("path", list(PACKED_PATHS))
+def test_packed_sequences_raise_on_every_path(family, path, with_mask):
+    """Position ids that restart inside a row (two documents packed) would attend across the documents."""
     model = tiny_model(family, "linear_elu")
     ids = torch.randint(1, VOCAB, (1, 8))
     restarting = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    with pytest.raises(ValueError, match="custom mask function"):
-        model(ids, position_ids=restarting, use_cache=False)
+    mask = torch.ones_like(ids) if with_mask else None
+    with pytest.raises(ValueError, match=r"position_ids restart.*columns 3-4: positions \[3, 0\]"):
+        PACKED_PATHS[path](model, ids, restarting, mask)
+
+
+def test_positions_restarting_only_across_padding_are_accepted(family):
+    """generate's own positions for a left-padded batch (padding at position 1) are one sequence per row."""
+    model = tiny_model(family, "linear_elu")
+    ids, mask = left_padded_batch()
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    batched = logits(model, ids, mask, position_ids=positions)
+    for row in range(ids.shape[0]):
+        visible = mask[row].bool()
+        alone = logits(model, ids[row : row + 1, visible], None)
+        torch.testing.assert_close(batched[row : row + 1, visible], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")], ids=["half", "two", "minus_one", "nan"])
+def test_a_mask_with_values_other_than_0_and_1_raises(family, value):
+    model = tiny_model(family, "linear_elu")
+    ids = torch.randint(1, VOCAB, (1, 6))
+    mask = torch.ones(1, 6)
+    mask[0, 2] = value
+    with pytest.raises(ValueError, match=f"attention_mask must hold only 0.*it holds {value}"):
+        model(ids, attention_mask=mask)
 
 
 def test_perturbation_helper_changes_the_output(family):

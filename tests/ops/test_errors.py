@@ -61,3 +61,98 @@ def test_hedgehog_needs_its_weights():
     q, k, v, _ = make_inputs(length=4)
     with pytest.raises(ValueError, match="hedgehog_q"):
         attention(q, k, v, AttentionSpec(kind="linear", feature_map="hedgehog"))
+
+
+ELU = AttentionSpec.from_preset("linear_elu")
+
+
+def _modified(name):
+    """(q, k, v, keyword arguments) of a call with one bad argument `name`."""
+    q, k, v, _ = make_inputs(length=4)
+    call = dict(q=q, k=k, v=v, spec=ELU)
+    bad = {
+        "numpy_q": dict(q=q.numpy()),
+        "int_tensors": dict(q=q.long(), k=k.long(), v=v.long()),
+        "complex_tensors": dict(q=q.to(torch.complex128), k=k.to(torch.complex128), v=v.to(torch.complex128)),
+        "mixed_dtypes": dict(q=q.float()),
+        "fewer_keys_than_queries": dict(k=k[:, :, :2], v=v[:, :, :2]),
+        "spec_none": dict(spec=None),
+        "spec_list": dict(spec=["linear_elu"]),
+        "list_mask": dict(attention_mask=[[1, 1, 1, 1]] * 2),
+        "complex_mask": dict(attention_mask=torch.ones(2, 4, dtype=torch.complex64)),
+        "dict_state": dict(mode="chunked", state={"packed": torch.zeros(2, 2, 8, 9)}),
+        "scale_nan": dict(scale=float("nan")),
+        "scale_inf": dict(scale=float("inf")),
+        "scale_zero": dict(scale=0.0),
+        "scale_negative": dict(scale=-0.5),
+        "scale_string": dict(scale="0.5"),
+    }[name]
+    return {**call, **bad}
+
+
+_BAD_ARGUMENTS = [
+    ("numpy_q", TypeError, "q must be a torch.Tensor; got ndarray"),
+    ("int_tensors", TypeError, "q has dtype torch.int64; expected a real floating dtype"),
+    ("complex_tensors", TypeError, "q has dtype torch.complex128"),
+    ("mixed_dtypes", ValueError, "must share dtype and device"),
+    ("fewer_keys_than_queries", ValueError, "got 2 keys for 4 queries"),
+    ("spec_none", TypeError, "spec must be an AttentionSpec.*got None"),
+    ("spec_list", TypeError, r"spec must be an AttentionSpec.*got \['linear_elu'\]"),
+    ("list_mask", TypeError, "attention_mask must be a torch.Tensor.*got list"),
+    ("complex_mask", TypeError, "attention_mask must hold 0/1 or bools; got dtype torch.complex64"),
+    ("dict_state", TypeError, "state must be the RecurrentState.*got dict"),
+    ("scale_nan", ValueError, "scale=nan is not allowed"),
+    ("scale_inf", ValueError, "scale=inf is not allowed"),
+    ("scale_zero", ValueError, "scale=0.0 is not allowed"),
+    ("scale_negative", ValueError, "scale=-0.5 is not allowed"),
+    ("scale_string", ValueError, "scale='0.5' is not allowed"),
+]
+
+
+@pytest.mark.parametrize(("name", "error", "message"), [pytest.param(*case, id=case[0]) for case in _BAD_ARGUMENTS])
+def test_bad_arguments_raise_naming_them(name, error, message):
+    with pytest.raises(error, match=message):
+        attention(**_modified(name))
+
+
+def test_a_preset_name_is_accepted_as_spec():
+    q, k, v, _ = make_inputs(length=4)
+    torch.testing.assert_close(attention(q, k, v, "linear_elu")[0], attention(q, k, v, ELU)[0])
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")], ids=["half", "two", "minus_one", "nan"])
+@pytest.mark.parametrize("mode", ["parallel", "chunked"])
+def test_a_mask_with_values_other_than_0_and_1_raises(mode, value):
+    q, k, v, _ = make_inputs(length=4)
+    mask = torch.ones(2, 4, dtype=torch.float64)
+    mask[1, 2] = value
+    with pytest.raises(ValueError, match=f"attention_mask must hold only 0 .* it holds {value}"):
+        attention(q, k, v, ELU, mode=mode, attention_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("made_with", "used_with", "differs"),
+    [
+        (dict(spec="linear_relu"), dict(spec="linear_elu"), "feature_map='relu' \\(here 'elu'\\)"),
+        (dict(spec="linear_elu"), dict(spec=AttentionSpec.from_preset("linear_elu", input_gate=True)), "input_gate"),
+        (dict(spec="linear_elu", scale=0.5), dict(spec="linear_elu", scale=0.25), "scale=0.5 \\(here 0.25\\)"),
+        (dict(spec="linear_elu", heads=4), dict(spec="linear_elu", heads=2), "heads=4 \\(here 2\\)"),
+    ],
+    ids=["relu_state_into_elu", "ungated_state_into_gated", "other_scale", "other_query_heads"],
+)
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_a_state_made_for_another_attention_is_refused_whatever_its_shapes(mode, made_with, used_with, differs):
+    q, k, v, _ = make_inputs(length=4)
+    first, second = ({**dict(scale=None, heads=4), **call} for call in (made_with, used_with))
+    _, state = attention(q[:, : first["heads"]], k, v, first["spec"], mode="chunked", scale=first["scale"])
+    with pytest.raises(ValueError, match=f"state was made for another attention.*{differs}"):
+        attention(q[:, : second["heads"]], k, v, second["spec"], mode=mode, state=state, scale=second["scale"])
+
+
+def test_a_state_is_accepted_by_the_spec_that_made_it_with_another_chunk_size():
+    q, k, v, _ = make_inputs(length=8)
+    _, whole = attention(q, k, v, ELU, mode="chunked")
+    _, half = attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], ELU, mode="chunked")
+    other_chunks = AttentionSpec.from_preset("linear_elu", chunk_size=2)
+    _, rest = attention(q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], other_chunks, mode="chunked", state=half)
+    torch.testing.assert_close(rest.packed, whole.packed)
