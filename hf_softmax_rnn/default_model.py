@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_softmax_rnn.errors import MissingPackageError
+from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,24 @@ def default_model_and_tokenizer(
     return default_model(dtype, cache_dir=cache_dir), default_tokenizer(cache_dir=cache_dir)
 
 
+def _load_part(name: str, part: str, load):
+    """`load()`, its failures reported as the user's: a missing folder or Hub id (OSError), or files
+    that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer)."""
+    try:
+        return load()
+    except OSError as error:
+        raise OSError(
+            f"Could not load model {name!r} from a local directory or the Hub (HF_HUB_OFFLINE="
+            f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass {DEFAULT_MODEL_ALIAS!r} for the embedded "
+            f"{DEFAULT_MODEL_NAME}: {error}"
+        ) from error
+    except (ValueError, TypeError) as error:
+        raise UserInputError(
+            f"Model {name!r}: its {part} could not be loaded ({error}); expected a folder saved with "
+            "save_pretrained holding config.json, the weights and the tokenizer files"
+        ) from error
+
+
 def resolve_model(
     name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -145,13 +163,6 @@ def resolve_model(
     else:
         source = name
     logger.info("Loading model and tokenizer from %s", source)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except OSError as error:
-        raise OSError(
-            f"Could not load model {name!r} from a local directory or the Hub (HF_HUB_OFFLINE="
-            f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass {DEFAULT_MODEL_ALIAS!r} for the embedded "
-            f"{DEFAULT_MODEL_NAME}: {error}"
-        ) from error
+    model = _load_part(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
+    tokenizer = _load_part(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source))
     return model, tokenizer

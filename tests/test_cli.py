@@ -143,3 +143,29 @@ def test_bad_flag_values_are_one_line_with_status_2(capsys, argv, message):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+OUTPUT_FLAGS = {
+    "ablate": "--output-dir",
+    "demo": "--output",
+    "finetune": "--output-dir",
+    "mqar": "--output-dir",
+    "taylor-terms": "--output-dir",
+}
+
+
+@pytest.mark.parametrize("place", ["existing_file", "under_a_file"])
+@pytest.mark.parametrize("command", sorted(OUTPUT_FLAGS))
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(
+    monkeypatch, tmp_path, capsys, command, place
+):
+    """demo once ran for 871 s on the real model, then failed on `--output FILE`: it must fail first."""
+    _, module = cli.subcommand_parser(command)
+    monkeypatch.setattr(module, "run", lambda args: pytest.fail("the command started before its output was checked"))
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    target = blocker if place == "existing_file" else blocker / "out"
+    assert cli.main([command, OUTPUT_FLAGS[command], str(target)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"hf-softmax-rnn {command}: error: {OUTPUT_FLAGS[command]}={target}" in error
+    assert blocker.read_text() == "not a folder"

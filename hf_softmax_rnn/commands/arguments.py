@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
 from typing import Any
+
+from hf_softmax_rnn.errors import UserInputError
 
 #: The default of a field that `--help` shows in place of its value (e.g. "the attention's recipe").
 SHOWN_DEFAULT = "shown_default"
@@ -101,3 +104,24 @@ class DefaultsFormatter(argparse.HelpFormatter):
         if action.nargs == 0 or shown in (None, argparse.SUPPRESS) or shown == []:
             return action.help
         return f"{action.help} (default: {str(shown).replace('%', '%%')})"
+
+
+#: Flags that name a folder a command writes into (created if missing, files in it replaced).
+OUTPUT_FOLDER_FLAGS = ("output", "output_dir")
+
+
+def check_output_folders(args: argparse.Namespace) -> None:
+    """Before any work: every output folder flag names a folder that is, or can be created, writable
+    (not an existing file, not under a file, not in a read-only place)."""
+    for name in OUTPUT_FOLDER_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag, path = f"--{name.replace('_', '-')}", Path(value)
+        if path.exists() and not path.is_dir():
+            raise UserInputError(f"{flag}={value} is an existing file; expected a folder to write into (or a new name)")
+        existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
+        if not existing.is_dir():
+            raise UserInputError(f"{flag}={value} lies under {existing}, which is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserInputError(f"{flag}={value} cannot be written: {existing} is not writable")

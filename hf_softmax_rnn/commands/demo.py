@@ -192,7 +192,10 @@ def check_trained(folders: list[Path], base_config) -> None:
             raise UserInputError(
                 f"--trained {str(folder)!r} holds no config.json; expected a folder written by finetune"
             )
-        vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+        try:
+            vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+        except (ValueError, TypeError) as error:
+            raise UserInputError(f"--trained {str(folder)!r}: its config.json could not be loaded ({error})") from error
         if vocab_size != base_config.vocab_size:
             raise UserInputError(
                 f"--trained {str(folder)!r} has vocab_size={vocab_size}, the --model has "

@@ -48,8 +48,10 @@ def padding_mask(
     no padded position also gives None (the ops then skip masking: fewer kernels per layer in eager
     decoding); under torch.compile the mask's values are never read here (no graph break). Custom
     mask functions (packed sequences, bidirectional blocks) cannot be expressed as a padding mask
-    and raise."""
-    if mask_function is not causal_mask_function:
+    and raise. Under torch.compile transformers builds its packed-sequence mask function for every
+    call without a mask and a cache (it cannot look at the positions while tracing), so there the
+    model's own check of `position_ids` (`check_positions`) decides."""
+    if mask_function is not causal_mask_function and not is_torchdynamo_compiling():
         raise ValueError(
             "softmax_rnn attention applies causality and a 2-D padding mask only; it got a custom mask function "
             "(packed sequences with restarting position_ids?). Pass an attention_mask, or one sequence per row"

@@ -43,15 +43,22 @@ def _chunk_terms(kernel: FeatureKernel, qc, kc, vc) -> tuple[torch.Tensor, torch
     return kernel.query_features(qc), kernel.key_features(kc), intra
 
 
+def _chunked_forward(q, k, v, state, kernel: FeatureKernel, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk loop: (augmented numerator, state after the last chunk)."""
+    outputs, running = [], state
+    for sl in _chunk_slices(q.shape[-2], chunk_size):
+        phi_q, phi_k, intra = _chunk_terms(kernel, q[..., sl, :], k[..., sl, :], v[..., sl, :])
+        outputs.append(intra + grouped_matmul(phi_q, running))
+        running = running + phi_k.mT @ v[..., sl, :]
+    if not outputs:
+        return q.new_empty(*q.shape[:-1], v.shape[-1]), running
+    return torch.cat(outputs, dim=-2), running
+
+
 class _ChunkedLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, state, kernel, chunk_size, *learned):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        running = state
-        for sl in _chunk_slices(q.shape[-2], chunk_size):
-            phi_q, phi_k, intra = _chunk_terms(kernel, q[..., sl, :], k[..., sl, :], v[..., sl, :])
-            out[..., sl, :] = intra + grouped_matmul(phi_q, running)
-            running = running + phi_k.mT @ v[..., sl, :]
+        out, running = _chunked_forward(q, k, v, state, kernel, chunk_size)
         ctx.save_for_backward(q, k, v, state, *learned)
         ctx.kernel, ctx.chunk_size = kernel, chunk_size
         return out, running
@@ -126,7 +133,12 @@ def chunked_linear_attention(
 def generic_chunked_linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: FeatureKernel, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The autograd path for any kernel (the reference of the hand-written engine)."""
+    """The autograd path for any kernel (the reference of the hand-written engine). Under
+    torch.compile the chunk loop is traced as it is (autograd keeps each chunk's features, which
+    the custom backward would recompute): Dynamo cannot trace a Python loop inside an
+    autograd.Function whose chunk count it has lifted to a symbol."""
+    if torch.compiler.is_compiling():
+        return _chunked_forward(q, k, v, state, kernel, chunk_size)
     return _ChunkedLinearAttention.apply(q, k, v, state, kernel, chunk_size, *kernel.learned)
 
 

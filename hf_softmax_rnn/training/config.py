@@ -239,8 +239,11 @@ class FinetuneConfig:
             "save_every",
             "save_total_limit",
             "lora_rank",
+            "shuffle_buffer",
         ):
             _check_at_least(name, getattr(self, name))
+        if not 0 <= self.seed < 2**32:
+            raise UserInputError(f"seed={self.seed} is not allowed; expected an int from 0 to 2**32 - 1")
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
         if self.block_size < 2:

@@ -1,11 +1,14 @@
 """Bad inputs stop a run before any training, with a message naming the bad value."""
 
+import json
 import re
+import shutil
 
 import huggingface_hub.constants
 import pytest
 from accelerate.state import AcceleratorState
 
+from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
@@ -104,6 +107,9 @@ BAD_SETTINGS = {
         dict(attention='["softmax"]'),
         r"--attention '\[\"softmax\"\]' is not allowed; expected a preset name, a JSON object or a \.json file",
     ),
+    "zero-shuffle-buffer": (dict(shuffle_buffer=0), r"shuffle_buffer=0 is not allowed; expected a number >= 1"),
+    "negative-seed": (dict(seed=-1), r"seed=-1 is not allowed; expected an int from 0 to 2\*\*32 - 1"),
+    "seed-above-32-bits": (dict(seed=2**32), r"seed=4294967296 is not allowed"),
     "resume-and-overwrite": (
         dict(resume=True, overwrite=True),
         r"--resume and --overwrite contradict each other .*; pass one",
@@ -196,3 +202,40 @@ def test_diverging_run_stops_instead_of_training_on_nan(tiny_models, tmp_path):
     ):
         finetune(config)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _broken_attention_type(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["attention"] = {**(config.get("attention") or {}), "kind": "linear", "feature_map": "elu"}
+    config["attention"]["input_gate"] = "false"
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _without_tokenizer(folder):
+    for path in folder.iterdir():
+        if path.name.startswith("tokenizer"):
+            path.unlink()
+
+
+BROKEN_MODEL_FOLDERS = {
+    "attention-field-of-wrong-type": (
+        _broken_attention_type,
+        r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
+    ),
+    "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+}
+
+
+@pytest.mark.parametrize("damage,message", BROKEN_MODEL_FOLDERS.values(), ids=BROKEN_MODEL_FOLDERS.keys())
+def test_cli_reports_a_broken_model_folder_in_one_line(tiny_models, tmp_path, capsys, damage, message):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], folder)
+    if damage is _broken_attention_type:
+        convert(str(folder), "linear_elu").save_pretrained(folder)
+    damage(folder)
+    capsys.readouterr()
+    assert main(["finetune", "--output-dir", str(tmp_path / "out"), "--model", str(folder), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert re.search(rf"^hf-softmax-rnn finetune: error: Model '.*model': {message}", error, re.MULTILINE), error
+    assert not (tmp_path / "out").exists()
