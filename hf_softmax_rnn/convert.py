@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 from transformers import initialization as init
@@ -45,10 +46,27 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
     )
 
 
+def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
+    """`path` itself, unless it looks like a folder (absolute, starting with "." or "~", or with more
+    than one "/") that does not exist: then FileNotFoundError says so (transformers would report a
+    malformed Hub id)."""
+    name = str(path)
+    folder = Path(name).expanduser()
+    looks_like_a_folder = folder.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+    if looks_like_a_folder and not folder.is_dir():
+        raise FileNotFoundError(f"convert(): the folder {name!r} does not exist (nor is it a Hub id)")
+    return name
+
+
 def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str, str] | None:
     """Keep exact softmax in every layer not listed in `layers`."""
     if layers is None:
         return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(
+            f"convert(layers={layers!r}): expected None or a list of layer indices in 0..{num_layers - 1} "
+            f"(layers=[{layers!r}] converts that one layer)"
+        )
     chosen = list(layers)
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
     if bad or not chosen:
@@ -91,11 +109,11 @@ def convert(
     untrained converted model loses; `convert(..., "softmax")` reproduces the original logits,
     and fine-tuning (attention transfer, then LM loss) recovers the rest.
     """
-    source = model_or_path
-    if not isinstance(source, PreTrainedModel):
-        source = AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
-    config_class, model_class = _family(source)
     spec = AttentionSpec.coerce(spec_or_preset)
+    source = model_or_path
+    if isinstance(source, (str, os.PathLike)):
+        source = AutoModelForCausalLM.from_pretrained(_existing_folder_or_hub_id(source), **from_pretrained_kwargs)
+    config_class, model_class = _family(source)
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
     config = config_class(

@@ -132,8 +132,19 @@ def test_new_parameters_start_at_their_documented_initialisation(family):
             "convert\\(\\) got a BertLMHeadModel",
         ),
         (lambda: convert(SOURCES["llama"](), "linear_elu"), TypeError, "already a softmax_rnn model"),
+        (lambda: torch.nn.Linear(4, 4), TypeError, r"convert\(\) got a Linear; expected one of"),
+        (lambda: 42, TypeError, r"convert\(\) got a int"),
+        (lambda: "/no/such/folder", FileNotFoundError, "the folder '/no/such/folder' does not exist"),
+        (lambda: "./no_such_folder", FileNotFoundError, "the folder './no_such_folder' does not exist"),
     ],
-    ids=["unsupported-class", "already-converted"],
+    ids=[
+        "unsupported-class",
+        "already-converted",
+        "plain-module",
+        "int",
+        "missing-absolute-folder",
+        "missing-relative",
+    ],
 )
 def test_unsupported_models_raise(source, error, message):
     with pytest.raises(error, match=message):
@@ -143,6 +154,12 @@ def test_unsupported_models_raise(source, error, message):
 @pytest.mark.parametrize("layers", [[3], [-1], [], ["0"]], ids=["out-of-range", "negative", "empty", "string"])
 def test_bad_layer_lists_raise(layers):
     with pytest.raises(ValueError, match="expected a non-empty list of layer indices in 0..2"):
+        convert(SOURCES["llama"](), "linear_elu", layers=layers)
+
+
+@pytest.mark.parametrize("layers", [5, "0", 1.0], ids=["int", "string", "float"])
+def test_layers_that_are_not_a_list_raise_naming_them(layers):
+    with pytest.raises(TypeError, match=rf"convert\(layers={layers!r}\): expected None or a list of layer indices"):
         convert(SOURCES["llama"](), "linear_elu", layers=layers)
 
 

@@ -31,3 +31,19 @@ def test_misaligned_and_unscored_inputs_are_rejected(metric):
         metric.compute(predictions=[[1, 2, 3]], references=[[-100, 2]])
     with pytest.raises(ValueError, match="no scored position"):
         metric.compute(predictions=[[1, 2]], references=[[-100, -100]])
+
+
+@pytest.mark.parametrize(
+    "predictions,references,error,match",
+    [
+        ([[0, 7.0, 0, 9]], [[-100, 7, -100, 8]], TypeError, r"predictions\[0\] must be a list of int token ids"),
+        ([[0, 7, 0, 9]], [[-100, 7.5, -100, 8]], TypeError, r"references\[0\] must be a list of int token ids"),
+        (None, [[-100, 7]], TypeError, "predictions must be a list of token-id lists .*got NoneType"),
+        ([[0, 7]], None, TypeError, "references must be a list of token-id lists .*got NoneType"),
+        ([], [], ValueError, "predictions is empty"),
+    ],
+    ids=["float-predictions", "float-references", "none-predictions", "none-references", "empty"],
+)
+def test_bad_input_names_the_argument(metric, predictions, references, error, match):
+    with pytest.raises(error, match=match):
+        metric.compute(predictions=predictions, references=references)

@@ -40,6 +40,24 @@ Examples:
 """
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_token_ids(name: str, value) -> None:
+    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be a list of token-id lists (ints); got {type(value).__name__}")
+    if len(value) == 0:
+        raise ValueError(f"{name} is empty; expected at least one sequence of token ids")
+    for index, row in enumerate(value):
+        row = np.asarray(row)
+        if row.ndim != 1 or not (np.issubdtype(row.dtype, np.integer) or all(_is_int(x) for x in row.tolist())):
+            raise TypeError(
+                f"{name}[{index}] must be a list of int token ids; got {np.asarray(row).tolist()!r:.80} "
+                f"(dtype {row.dtype})"
+            )
+
+
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
 class MQARAccuracy(evaluate.Metric):
     def _info(self):
@@ -56,6 +74,12 @@ class MQARAccuracy(evaluate.Metric):
             ),
             reference_urls=["https://arxiv.org/abs/2312.04927"],
         )
+
+    def compute(self, *, predictions=None, references=None, **kwargs):
+        """`evaluate.Metric.compute` after checking that both are non-empty lists of token-id lists (ints)."""
+        for name, value in (("predictions", predictions), ("references", references)):
+            _check_token_ids(name, value)
+        return super().compute(predictions=predictions, references=references, **kwargs)
 
     def _compute(self, predictions, references, ignore_index=-100):
         correct = scored = sequences_right = 0

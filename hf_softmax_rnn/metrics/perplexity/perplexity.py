@@ -64,6 +64,20 @@ class Perplexity(evaluate.Metric):
             reference_urls=["https://huggingface.co/docs/transformers/perplexity", "https://arxiv.org/abs/2507.23632"],
         )
 
+    def compute(self, *, predictions=None, model_id=None, **kwargs):
+        """`evaluate.Metric.compute` after checking `predictions` (non-empty texts) and `model_id`, before
+        any model is loaded."""
+        if predictions is None or isinstance(predictions, str) or not hasattr(predictions, "__len__"):
+            raise TypeError(f"predictions must be a list of texts; got {type(predictions).__name__}")
+        if len(predictions) == 0:
+            raise ValueError("predictions is empty; expected at least one text")
+        not_text = [index for index, text in enumerate(predictions) if not isinstance(text, str)]
+        if not_text:
+            raise TypeError(f"predictions {not_text} are not strings; expected a list of texts")
+        if not isinstance(model_id, str) or not model_id:
+            raise TypeError(f"model_id must be a model folder, a Hub id or 'default'; got {model_id!r}")
+        return super().compute(predictions=predictions, model_id=model_id, **kwargs)
+
     def _compute(
         self,
         predictions,
