@@ -113,7 +113,7 @@ def build_kernel(spec: AttentionSpec, scale: float, params: AttentionParams) -> 
     if name is None:
         return ExpKernel(scale, clamp, shift=_exp_shift(spec))
     if name == "taylor":
-        return TaylorKernel(spec.taylor_order, scale, clamp)
+        return TaylorKernel(spec.taylor_order, scale, clamp, shift=_exp_shift(spec))
     if name == "cosine":
         return CosineKernel(scale, spec.norm_eps, clamp)
     if name == "hedgehog":

@@ -11,7 +11,8 @@ state `[B, Hkv, F, Dv + 1]`.
 - `chunked_linear_attention`: quadratic inside chunks of C positions, state carried between
   chunks. Kernels with a hand-written backward run the `ops.chunked` engine; the others
   (cosine, hedgehog) run `_ChunkedLinearAttention`, whose custom backward recomputes features
-  chunk by chunk through autograd (two sweeps). Neither keeps an L x L matrix or the `[L, F]`
+  chunk by chunk through autograd (two sweeps); under torch.compile every kernel takes the generic
+  chunk loop, traced as plain autograd. Neither keeps an L x L matrix or the `[L, F]`
   features: memory is flat in L. The generic path is also the engine's reference in tests.
 - On CUDA tensors with fla-core installed, `chunked_linear_attention` hands feature maps of at
   most 256 features to flash-linear-attention's kernel (`ops.fla_linear`, `ops.backends`).
@@ -125,7 +126,7 @@ def chunked_linear_attention(
     chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
         return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype, chunk_function)
-    if kernel.hand_written:
+    if kernel.hand_written and not torch.compiler.is_compiling():  # its preallocated out= buffers do not trace
         return chunked_kernel_attention(q, k, v, state, kernel, chunk_size)
     return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)
 

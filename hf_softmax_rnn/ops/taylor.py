@@ -352,9 +352,26 @@ class TaylorKernel(FeatureKernel):
 
     hand_written = True
 
-    def __init__(self, order: int, scale: float, clamp: float | None = None) -> None:
+    def __init__(self, order: int, scale: float, clamp: float | None = None, shift: str | None = None) -> None:
         super().__init__(scale, clamp)
-        self.order, self.root = order, math.sqrt(scale)
+        self.order, self.root, self.shift = order, math.sqrt(scale), shift
+
+    def masked_scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor):
+        """Orders above 12 (computed in float64): the scores divided per row by their largest magnitude
+        where the normaliser allows a per-row factor (`shift` as for exact exp, `EXP_SHIFTS`), so that
+        x^N/N! beyond the caller's dtype (x = 200 and N = 79 gives 1e65) cannot overflow it;
+        (scores, log of the factor `[B, Hkv, G, Lq]`)."""
+        if self.shift is None or self.order <= _FLOAT64_ABOVE_ORDER:
+            return super().masked_scores(q, k, visible)
+        scores = taylor_exp(self.scale * grouped_matmul(q.double(), k.double().mT), self.order)
+        if self.clamp is not None:
+            scores = scores.clamp_max(self.clamp)
+        scores = scores.masked_fill(~visible, 0.0)
+        log_max = scores.abs().amax(-1, keepdim=True).detach().log()
+        log_max = torch.where(torch.isfinite(log_max), log_max, torch.zeros_like(log_max))
+        if self.shift == "positive_row_max":
+            log_max = log_max.clamp_min(0.0)
+        return (scores * torch.exp(-log_max)).to(q.dtype), log_max.squeeze(-1).to(q.dtype)
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
         return taylor_features(q * self.root, self.order)

@@ -2,6 +2,7 @@
 reference, and the claims of SPEC section 1 (claims 1 and 2 of section 6)."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -134,3 +135,33 @@ def test_taylor_features_compile_without_graph_breaks():
 def test_features_gradcheck(order):
     x = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: taylor_features(t, order), (x,))
+
+
+def _truncated_softmax_reference(q, k, v, order):
+    """Causal attention with weights p(q.k) / sum_s p(q.k_s), p = sum_{n<=N} x^n/n! in exact rationals."""
+    scores = (q.double() @ k.double().mT)[0, 0].tolist()
+    rows = []
+    for t, row in enumerate(scores):
+        values = [sum(Fraction(x) ** n / math.factorial(n) for n in range(order + 1)) for x in row[: t + 1]]
+        total = sum(values)
+        rows.append([float(value / total) for value in values] + [0.0] * (len(row) - t - 1))
+    return (torch.tensor(rows, dtype=torch.float64) @ v.double()[0, 0])[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("score", [200.0, 1e4], ids=["score_200", "score_1e4"])
+def test_eighty_terms_stay_finite_and_exact_at_large_scores(dtype, score):
+    """79^th-order terms at score 200 are 1e65, beyond float32 (and bf16/fp16): each row is divided by its
+    largest score in float64 first, which the softmax denominator cancels."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 6, 4, generator=generator, dtype=torch.float64)
+    k = torch.randn(1, 1, 6, 4, generator=generator, dtype=torch.float64)
+    q = q / q.norm(dim=-1, keepdim=True) * math.sqrt(score)
+    k = k / k.norm(dim=-1, keepdim=True) * math.sqrt(score)
+    v = torch.randn(1, 1, 6, 4, generator=generator, dtype=torch.float64)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    out, _ = attention(q, k, v, AttentionSpec.from_preset("softmax_taylor_80terms"), scale=1.0)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    expected = _truncated_softmax_reference(q, k, v, 79)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
