@@ -33,6 +33,7 @@ from accelerate.utils.constants import RNG_STATE_NAME
 
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks
+from hf_softmax_rnn.training.disk import bytes_in, reporting_full_disk
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +116,16 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sc
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(temporary))
-    accelerator.wait_for_everyone()
+    previous = checkpoint_dirs(output_dir)[-1:]
+    needed = bytes_in(previous[0]) if previous else _model_bytes(accelerator)
+    with reporting_full_disk(temporary, "checkpoint", needed):
+        accelerator.save_state(str(temporary))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), temporary / SCHEDULER_FILE)
+            state.save(temporary / TRAINER_STATE_FILE)
+            write_manifest(temporary)
     if accelerator.is_main_process:
-        torch.save(scheduler.state_dict(), temporary / SCHEDULER_FILE)
-        state.save(temporary / TRAINER_STATE_FILE)
-        write_manifest(temporary)
         if final.exists():
             _discard(final)
         os.replace(temporary, final)
@@ -129,6 +134,11 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sc
         logger.info("Saved checkpoint %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _model_bytes(accelerator) -> int:
+    """Bytes of the prepared models' tensors (what a first checkpoint needs at least)."""
+    return sum(t.numel() * t.element_size() for model in accelerator._models for t in model.state_dict().values())
 
 
 def _discard(path: Path) -> None:

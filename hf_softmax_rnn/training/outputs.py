@@ -32,6 +32,7 @@ from hf_softmax_rnn.errors import CommandError
 from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
 from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.disk import reporting_full_disk
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
 
@@ -171,6 +172,13 @@ def _plot_title(config) -> str:
 def save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
     """Merge LoRA (call on every process) and write the output folder (`is_main`); returns the merged
     model. The caller waits for every process afterwards."""
+    output_dir = run.output_dir
+    needed = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    with reporting_full_disk(output_dir, "the trained model into", needed):
+        return _save_outputs(run, model, is_main=is_main)
+
+
+def _save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
     output_dir = run.output_dir
     has_adapter = isinstance(model, PeftModel)
     if has_adapter:

@@ -32,6 +32,7 @@ from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_in
 from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import student_outputs
 from hf_softmax_rnn.training.checkpointing import (
+    CHECKPOINTS_DIR,
     TRAINER_STATE_FILE,
     TrainerState,
     check_exact_resume,
@@ -45,7 +46,7 @@ from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
 from hf_softmax_rnn.training.optim import weight_decay_groups
-from hf_softmax_rnn.training.output_dir import check_output_dir, claim_output_dir
+from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RunSummary, publish, save_outputs
 from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
@@ -188,7 +189,15 @@ class Finetuner:
             return None
         path = checkpoint_to_resume(self.accelerator, self.output_dir)
         if path is None:
-            logger.warning("--resume: no checkpoint in %s, starting from the beginning", self.output_dir)
+            folder = self.output_dir / CHECKPOINTS_DIR
+            missing = "does not exist" if not folder.is_dir() else "holds no checkpoint"
+            previous = [name for name in PREVIOUS_RUN if name != CHECKPOINTS_DIR and (self.output_dir / name).exists()]
+            logger.warning(
+                "--resume: %s %s%s; nothing to resume, starting from step 0",
+                folder,
+                missing,
+                f" although the folder holds a previous run's {', '.join(previous)}" if previous else "",
+            )
         return path
 
     def _check_block_size(self, model: PreTrainedModel) -> None:

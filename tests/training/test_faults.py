@@ -22,6 +22,7 @@ from hf_softmax_rnn.training.checkpointing import (
     checkpoint_dirs,
     checkpoint_problems,
 )
+from hf_softmax_rnn.training.disk import bytes_in
 from hf_softmax_rnn.training.metrics import MetricsLogger, read_metrics
 from tests.training.helpers import tiny_config, weights
 
@@ -175,3 +176,50 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tiny_models, t
     assert all(torch.isfinite(tensor).all() for tensor in weights(kept[-1]).values())
     for name in ("model.safetensors", "config.json", "results.json", "README.md", "adapter"):
         assert not (out / name).exists(), name
+
+
+def test_resume_into_a_run_whose_checkpoints_were_deleted_warns_naming_them(run_copy, caplog):
+    config, out = run_copy
+    shutil.rmtree(out / "checkpoints")
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        finetune(config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    expected = rf"--resume: {re.escape(str(out / 'checkpoints'))} does not exist although the folder holds a previous "
+    assert any(re.match(expected + r"run's .*metrics\.jsonl.*starting from step 0", m) for m in warnings), warnings
+
+
+def test_a_full_disk_while_saving_is_one_error_naming_path_and_bytes(tiny_models, tmp_path, monkeypatch, capsys):
+    """The second checkpoint's weights hit a full disk (as safetensors reports ENOSPC): the run stops with
+    one line and exit status 2, and the first checkpoint still verifies."""
+    import accelerate.utils.other
+    from safetensors import SafetensorError
+
+    real_save, calls = accelerate.utils.other.safe_save_file, []
+
+    def save_until_the_disk_is_full(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) > 1:
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, message: "No space left on device" })'
+            )
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(accelerate.utils.other, "safe_save_file", save_until_the_disk_is_full)
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(load_corpus()["train"]["text"][:40]))
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", dataset=str(data), **SETTINGS)
+    arguments = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    common = ["--block-size", "16", "--batch-size", "2", "--cpu", "--no-progress", "--dataset", str(data)]
+    capsys.readouterr()
+    assert main(["finetune", "--output-dir", config.output_dir, "--model", config.model, *common, *arguments]) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert re.search(
+        r"^hf-softmax-rnn finetune: error: Could not write checkpoint .*checkpoint-0000004: .*No space left on device.*"
+        rf" \(it needs about {bytes_in(checkpoint_dirs(tmp_path / 'out')[0]):,} bytes, [\d,]+ are free on its disk\); "
+        r"the checkpoints saved before are intact",
+        error,
+        re.MULTILINE,
+    ), error
+    assert [path.name for path in checkpoint_dirs(tmp_path / "out")] == ["checkpoint-0000002"]
+    assert checkpoint_problems(checkpoint_dirs(tmp_path / "out")[0]) == []
