@@ -159,7 +159,7 @@ OUTPUT_FLAGS = {
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(
     monkeypatch, tmp_path, capsys, command, place
 ):
-    """demo once ran for 871 s on the real model, then failed on `--output FILE`: it must fail first."""
+    """A command must not run for minutes on a model and only then fail on its output path."""
     _, module = cli.subcommand_parser(command)
     monkeypatch.setattr(module, "run", lambda args: pytest.fail("the command started before its output was checked"))
     blocker = tmp_path / "taken"

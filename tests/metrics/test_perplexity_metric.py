@@ -56,10 +56,11 @@ def test_per_text_perplexity_matches_transformers_loss(metric, saved_model):
         (dict(dtype="float8"), ValueError, "dtype='float8'"),
         (dict(predictions=None), TypeError, "predictions must be a list of texts; got NoneType"),
         (dict(predictions=[]), ValueError, "predictions is empty"),
+        (dict(predictions={"text": "a"}), TypeError, "predictions must be a list of texts; got dict"),
         (dict(predictions=["fine", 3]), TypeError, r"predictions \[1\] are not strings"),
         (dict(model_id=None), TypeError, "model_id must be a model folder.*got None"),
     ],
-    ids=["empty-text", "bad-dtype", "none", "no-texts", "int-text", "no-model-id"],
+    ids=["empty-text", "bad-dtype", "none", "no-texts", "dict", "int-text", "no-model-id"],
 )
 def test_bad_input_is_rejected(metric, saved_model, kwargs, error, match):
     with pytest.raises(error, match=match):

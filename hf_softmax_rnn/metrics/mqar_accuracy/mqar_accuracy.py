@@ -45,7 +45,7 @@ def _is_int(value) -> bool:
 
 
 def _check_token_ids(name: str, value) -> None:
-    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+    if not isinstance(value, (list, tuple, np.ndarray)):
         raise TypeError(f"{name} must be a list of token-id lists (ints); got {type(value).__name__}")
     if len(value) == 0:
         raise ValueError(f"{name} is empty; expected at least one sequence of token ids")

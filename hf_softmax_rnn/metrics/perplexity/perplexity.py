@@ -67,7 +67,7 @@ class Perplexity(evaluate.Metric):
     def compute(self, *, predictions=None, model_id=None, **kwargs):
         """`evaluate.Metric.compute` after checking `predictions` (non-empty texts) and `model_id`, before
         any model is loaded."""
-        if predictions is None or isinstance(predictions, str) or not hasattr(predictions, "__len__"):
+        if not isinstance(predictions, (list, tuple)):
             raise TypeError(f"predictions must be a list of texts; got {type(predictions).__name__}")
         if len(predictions) == 0:
             raise ValueError("predictions is empty; expected at least one text")
