@@ -16,6 +16,7 @@ from typing import Any
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.commands.arguments import option
+from hf_softmax_rnn.data.corpus import source_names
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
@@ -142,7 +143,9 @@ class FinetuneConfig:
 
     dataset: str = option(
         "pydoc",
-        "'pydoc' (offline corpus), local .txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset",
+        "'pydoc' (offline corpus), 'generated' (text the model writes itself, offline), local "
+        ".txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset; join several with '+' "
+        "(e.g. 'pydoc+generated': trained on all, held out from the first)",
         group=_DATA,
     )
     dataset_config: str | None = option(None, "configuration name of a Hub dataset", group=_DATA)
@@ -159,6 +162,10 @@ class FinetuneConfig:
         None, "score only the first N held-out blocks (all when not given)", group=_DATA
     )
     shuffle_buffer: int = option(10_000, "shuffle buffer of a streamed dataset (1 = in order)", group=_DATA)
+    generated_texts: int = option(
+        256, "texts the model writes for the 'generated' source (once; then read from a cache)", group=_DATA
+    )
+    generated_tokens: int = option(512, "tokens of each generated text at most", group=_DATA)
 
     transfer_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_TRANSFER, **_RECIPE)
     transfer_lr: float | None = option(None, "peak learning rate", group=_TRANSFER, **_RECIPE)
@@ -239,10 +246,13 @@ class FinetuneConfig:
             "save_every",
             "save_total_limit",
             "lora_rank",
+            "generated_texts",
+            "generated_tokens",
         ):
             _check_at_least(name, getattr(self, name))
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
+        self.dataset_sources = source_names(self.dataset)
         if self.block_size < 2:
             raise UserInputError(f"block_size={self.block_size} is not allowed; expected an int >= 2")
         if self.max_eval_blocks is not None:
@@ -294,8 +304,10 @@ class FinetuneConfig:
     def resume_conflicts(self, saved: dict[str, Any]) -> list[str]:
         """Settings that differ from a checkpoint's and would change the trained weights."""
         current = self.to_dict()
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
         return [
             f"{name}: checkpoint {saved.get(name)!r}, now {current[name]!r}"
             for name in sorted(current)
-            if name not in RESUMABLE_CHANGES and json.loads(json.dumps(current[name])) != saved.get(name)
+            if name not in RESUMABLE_CHANGES
+            and json.loads(json.dumps(current[name])) != saved.get(name, defaults[name])
         ]

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
+from datasets import DatasetDict
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from hf_softmax_rnn.convert import convert
-from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
+from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
@@ -132,16 +134,23 @@ class Finetuner:
                     f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}"
                 )
 
-        texts = load_corpus(
-            config.dataset,
-            config_name=config.dataset_config,
-            text_column=config.text_column,
-            test_fraction=config.test_fraction,
-            seed=config.seed,
-            streaming=config.streaming,
-        )
+        corpora = {
+            name: load_corpus(
+                name,
+                config_name=config.dataset_config,
+                text_column=config.text_column,
+                test_fraction=config.test_fraction,
+                seed=config.seed,
+                streaming=config.streaming,
+            )
+            for name in config.dataset_sources
+            if name != GENERATED_CORPUS
+        }
         self.base_model, self.tokenizer = resolve_model(config.model)
         self._check_block_size(self.base_model)
+        if GENERATED_CORPUS in config.dataset_sources:
+            corpora[GENERATED_CORPUS] = self._generated_corpus()
+        texts = join_corpora([corpora[name] for name in config.dataset_sources])
         with user_input_checks(ValueError, TypeError):  # LoRA targets, layers, stage modules, model type
             self.lora_targets = (
                 lora_targets(self.base_model, config.lora_targets)
@@ -179,6 +188,23 @@ class Finetuner:
             config.grad_accum,
             len(self.eval_ids),
         )
+
+    def _generated_corpus(self) -> DatasetDict:
+        """The unconverted model's own texts (`data.generated`), written on the training device by the
+        main process first (the others then read its cache)."""
+        settings = GenerationSettings(
+            num_texts=self.config.generated_texts, max_new_tokens=self.config.generated_tokens
+        )
+        device = self.base_model.device
+        with self.accelerator.main_process_first():
+            corpus = generated_corpus(
+                self.base_model.to(self.accelerator.device),
+                self.tokenizer,
+                settings,
+                progress=self._show_progress,
+            )
+        self.base_model.to(device)
+        return corpus
 
     # ------------------------------------------------------------------ checks
     def _checkpoint_to_resume(self) -> Path | None:
