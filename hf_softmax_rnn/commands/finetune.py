@@ -50,7 +50,7 @@ def summary(result) -> str:
             logger.warning(
                 "The model after %r has %.2fx the held-out perplexity of the unconverted model (%.4g against "
                 "%.4g): it has not recovered. Train longer, or use a recipe that recovers (--attention %s; see "
-                "the README's recovery benchmark).",
+                "docs/finetuning.md).",
                 last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
                 DEFAULT_ATTENTION,
             )  # fmt: skip

@@ -166,9 +166,10 @@ def attention(
 
     Args:
         q: `[B, H, L, D]` queries (after RoPE); H a multiple of Hkv.
-        k, v: `[B, Hkv, Lk, D]` keys and values. In parallel mode Lk >= L and the queries are
-            the last L positions (decoding from a KV cache); otherwise Lk == L. With
-            `spec.input_gate` the caller passes the gated values (so that a KV cache holds them).
+        k: `[B, Hkv, Lk, D]` keys. In parallel mode Lk >= L and the queries are the last L
+            positions (decoding from a KV cache); otherwise Lk == L.
+        v: `[B, Hkv, Lk, D]` values. With `spec.input_gate` the caller passes the gated values
+            (so that a KV cache holds them).
         spec: the attention variant.
         mode: "parallel" (masked L x L, every variant), "chunked" or "recurrent" (finite
             state only: linear feature maps or Taylor order N, no score clamp).

@@ -21,7 +21,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
-#: a pretrained model back close to its perplexity (the README's recovery benchmark).
+#: a pretrained model back close to its perplexity (docs/finetuning.md, the recovery benchmark).
 DEFAULT_ATTENTION = "hedgehog_window_64"
 FINETUNE_METHODS = ("lora", "full")
 #: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
@@ -91,7 +91,7 @@ def _check_positive(name: str, value: float) -> None:
 
 #: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
 DEFAULT_SCHEDULE = dict(transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm")
-#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in the README):
+#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
 #: layer error but not their perplexity); a pure learned map is transferred first.
 RECIPE_SCHEDULES = {
