@@ -84,6 +84,10 @@ class AttentionSpec:
             are scored with the exact exp(q.k), older ones with the finite-state kernel, under one
             normaliser (finite-state kernels and row-scale-invariant normalisers only); None = no
             window. Decoding keeps the W keys and values beside the recurrent state.
+        sinks: S attention sinks: the first S visible (non-padding) positions are also scored with
+            the exact exp(q.k), under the window's normaliser and row shift, and never enter the
+            finite state (a key both in the window and a sink counts once); needs a `window`;
+            None = no sinks. Decoding keeps the S keys and values beside the window's.
     """
 
     kind: str = "softmax"
@@ -99,6 +103,7 @@ class AttentionSpec:
     hedgehog_dim: int | None = None
     norm_eps: float = 1e-6
     window: int | None = None
+    sinks: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -184,6 +189,8 @@ class AttentionSpec:
             )
         if self.window is not None:
             self._validate_window()
+        if self.sinks is not None:
+            self._validate_sinks()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
@@ -218,6 +225,16 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; "
                 "expected None"
+            )
+
+    def _validate_sinks(self) -> None:
+        if self.sinks < 1:
+            raise ValueError(f"AttentionSpec.sinks={self.sinks!r} is not allowed; expected None or an int >= 1")
+        if self.window is None or not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.sinks={self.sinks} is not allowed with {self.describe()}: sinks are positions kept "
+                "exact beside a sliding window of a finite-state spec; expected sinks=None, or set window "
+                "(kind='linear', or kind='recurrent_softmax' with a taylor_order)"
             )
 
     # ------------------------------------------------------------------ derived facts
@@ -261,9 +278,9 @@ class AttentionSpec:
         return head_dim
 
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
-        """Bytes of the recurrent state of one KV head: S and z, plus the window's keys and values."""
+        """Bytes of the recurrent state of one KV head: S and z, plus the window's and the sinks' keys and values."""
         value_dim = head_dim if value_dim is None else value_dim
-        window = (self.window or 0) * (head_dim + value_dim + 1)
+        window = ((self.window or 0) + (self.sinks or 0)) * (head_dim + value_dim + 1)
         return (self.feature_dim(head_dim) * (value_dim + 1) + window) * bytes_per_element
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
@@ -314,7 +331,10 @@ class AttentionSpec:
         if self.output_gate:
             parts.append(f"output gate ({self.output_gate_position.replace('_', ' ')})")
         if self.window is not None:
-            parts.insert(1, f"exact exp over the last {self.window} positions")
+            exact = f"exact exp over the last {self.window} positions"
+            if self.sinks is not None:
+                exact += f" and the first {self.sinks}"
+            parts.insert(1, exact)
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -367,6 +387,7 @@ _FIELD_TYPES = (
     ("hedgehog_dim", _OPTIONAL_INT, "None or an int"),
     ("norm_eps", _NUMBER, "a number"),
     ("window", _OPTIONAL_INT, "None or an int"),
+    ("sinks", _OPTIONAL_INT, "None or an int"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -511,6 +532,14 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "taylor_2_l2_window_64": (
         "exp over the last 64 positions, order-2 Taylor exp beyond, L2 norm in place of the denominator",
         dict(kind=_RS, taylor_order=2, window=64, normalizer="l2"),
+    ),
+    "hedgehog_window_64_sinks_4": (
+        "exact softmax over the first 4 and the last 64 positions, hedgehog linear attention between, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4),
+    ),
+    "taylor_2_window_64_sinks_4": (
+        "exact softmax over the first 4 and the last 64 positions, order-2 Taylor exp between, one denominator",
+        dict(kind=_RS, taylor_order=2, window=64, sinks=4),
     ),
 }
 

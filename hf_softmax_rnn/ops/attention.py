@@ -16,6 +16,7 @@ from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
+from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
 
@@ -32,6 +33,9 @@ class RecurrentState:
     A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
     `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
     zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
+    Attention sinks keep the first S visible positions exactly as well: `sink_keys`
+    `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
+    position (valid once j < t; zero before); `packed` never sums a sink.
     """
 
     packed: torch.Tensor
@@ -39,6 +43,8 @@ class RecurrentState:
     window_keys: torch.Tensor | None = None
     window_values: torch.Tensor | None = None
     window_valid: torch.Tensor | None = None
+    sink_keys: torch.Tensor | None = None
+    sink_values: torch.Tensor | None = None
 
     @property
     def S(self) -> torch.Tensor:
@@ -61,8 +67,9 @@ class RecurrentState:
         window: int | None = None,
         device=None,
         dtype=None,
+        sinks: int | None = None,
     ) -> RecurrentState:
-        """The state before any position (an empty window buffer when `window` is set)."""
+        """The state before any position (empty window and sink buffers when `window`, `sinks` are set)."""
         state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
@@ -71,6 +78,9 @@ class RecurrentState:
             state.window_keys = torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype)
             state.window_values = torch.zeros(batch, kv_heads, window, value_dim + 1, device=device, dtype=dtype)
             state.window_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+        if sinks is not None:
+            state.sink_keys = torch.zeros(batch, kv_heads, sinks, head_dim, device=device, dtype=dtype)
+            state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
         return state
 
     def tensors(self) -> list[torch.Tensor]:
@@ -144,6 +154,9 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
         raise ValueError(
             f"attention: the state holds a window of {found} positions but the spec has window={spec.window}"
         )
+    held_sinks = None if state.sink_keys is None else state.sink_keys.shape[2]
+    if held_sinks != spec.sinks:
+        raise ValueError(f"attention: the state holds {held_sinks} sinks but the spec has sinks={spec.sinks}")
 
 
 def attention(
@@ -231,7 +244,7 @@ def attention(
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(
-            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale
+            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale, spec.sinks
         )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
@@ -239,7 +252,15 @@ def attention(
     else:
         if state is None:
             state = RecurrentState.zeros(
-                batch, kv_heads, spec.feature_dim(head_dim), head_dim, value_dim, spec.window, q.device, compute_dtype
+                batch,
+                kv_heads,
+                spec.feature_dim(head_dim),
+                head_dim,
+                value_dim,
+                spec.window,
+                q.device,
+                compute_dtype,
+                sinks=spec.sinks,
             )
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
         augmented, new_state = _finite_state(
@@ -291,26 +312,31 @@ def _finite_state(
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
     kernel reads. With a window, the finite-state part reads the keys
-    that leave the window (the buffer first), and the exact part the window itself."""
+    that leave the window (the buffer first), and the exact part the window itself; with sinks,
+    the sinks' values are zeroed on their way into the finite state and the exact part also
+    reads the sink buffer (a sink inside the window is counted there once)."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
-        keys, values = k, augmented_v
+        keys, values, valid = k, augmented_v, key_mask
     else:
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
+        valid = torch.cat([state.window_valid, key_mask], dim=-1)
+    entering = values[..., :length, :]
+    if spec.sinks is not None:
+        is_sink, ranks = sink_positions(valid, state.t, spec.sinks, spec.window)
+        entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size, io_dtype
+            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype
         )
     else:
-        linear, packed = recurrent_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, in_place
-        )
+        linear, packed = recurrent_linear_attention(q, keys[..., :length, :], entering, packed, kernel, in_place)
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
-    valid = torch.cat([state.window_valid, key_mask], dim=-1)
-    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
+    window_valid = valid if spec.sinks is None else valid & ~is_sink
+    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
     new_state = RecurrentState(
         packed=packed,
         t=state.t,
@@ -318,4 +344,14 @@ def _finite_state(
         window_values=values[..., -spec.window :, :].clone(),
         window_valid=valid[:, -spec.window :].clone(),
     )
+    if spec.sinks is not None:
+        window = spec.window
+        new_state.sink_keys, new_state.sink_values = filled_sinks(
+            state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype), k, augmented_v, is_sink[:, window:],
+            ranks[:, window:],
+        )  # fmt: skip
+        seen = state.t[:, None] + key_mask.long().cumsum(-1)
+        exact, row_max = add_sink_attention(
+            q, exact, row_max, new_state.sink_keys, new_state.sink_values, seen, window_scale
+        )
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state

@@ -12,6 +12,7 @@ import torch
 
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
+from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
 
@@ -36,18 +37,22 @@ def parallel_scores(
     window: int | None = None,
     window_scale: float | None = None,
     linear_log_scale: torch.Tensor | None = None,
+    sinks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
     log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None).
 
     With a `window`, the last `window` positions are scored with exp(`window_scale` q.k) and
     older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
-    row's largest window score; see `ops.window`).
+    row's largest window score; see `ops.window`). With `sinks`, the first `sinks` visible
+    positions are scored like the window (once, when they are in it too) and are never older.
     """
     visible = visible_mask(key_mask, q.shape[-2])
     if window is None:
         return kernel.masked_scores(q, k, visible)
     near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
+    if sinks is not None:
+        near = near | (visible & sink_mask(key_mask, sinks)[:, None, None, None, :])
     x = (window_scale * grouped_matmul(q, k.mT)).masked_fill(~near, float("-inf"))
     row_max = row_shift(x)
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)

@@ -44,6 +44,10 @@ EXTRA_FINITE_SPECS = {
     "window5_cosine_seqlen_layer": AttentionSpec(
         kind="linear", feature_map="cosine", normalizer="seqlen_layer", window=5
     ),
+    "window2_sinks3_elu": AttentionSpec(kind="linear", feature_map="elu", window=2, sinks=3),
+    "window3_sinks1_taylor2_rms_gates": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="rms", window=3, sinks=1, input_gate=True, output_gate=True
+    ),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
