@@ -88,6 +88,10 @@ class AttentionSpec:
             the exact exp(q.k), under the window's normaliser and row shift, and never enter the
             finite state (a key both in the window and a sink counts once); needs a `window`;
             None = no sinks. Decoding keeps the S keys and values beside the window's.
+        decay: a data-dependent forget gate on the finite-state part: the state is multiplied by
+            a_t = sigmoid(w_h . x_t + b_h) in (0, 1) per position and KV head before the key that
+            enters at t is added (with a window, a key enters when it leaves the window). The
+            layer computes log a_t and passes it as gates["decay"]. See docs/sinks_and_decay.md.
     """
 
     kind: str = "softmax"
@@ -104,6 +108,7 @@ class AttentionSpec:
     norm_eps: float = 1e-6
     window: int | None = None
     sinks: int | None = None
+    decay: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -191,6 +196,12 @@ class AttentionSpec:
             self._validate_window()
         if self.sinks is not None:
             self._validate_sinks()
+        if self.decay and not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.decay=True is not allowed with {self.describe()}: the forget gate decays the finite "
+                "recurrent state, which this spec does not have; expected decay=False, or a finite-state spec "
+                "(kind='linear', or kind='recurrent_softmax' with a taylor_order, and no score_clamp)"
+            )
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
@@ -335,6 +346,8 @@ class AttentionSpec:
             if self.sinks is not None:
                 exact += f" and the first {self.sinks}"
             parts.insert(1, exact)
+        if self.decay:
+            parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -388,6 +401,7 @@ _FIELD_TYPES = (
     ("norm_eps", _NUMBER, "a number"),
     ("window", _OPTIONAL_INT, "None or an int"),
     ("sinks", _OPTIONAL_INT, "None or an int"),
+    ("decay", (bool,), "true or false"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -540,6 +554,11 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "taylor_2_window_64_sinks_4": (
         "exact softmax over the first 4 and the last 64 positions, order-2 Taylor exp between, one denominator",
         dict(kind=_RS, taylor_order=2, window=64, sinks=4),
+    ),
+    "hedgehog_window_64_sinks_4_decay": (
+        "exact softmax over the first 4 and the last 64 positions, hedgehog linear attention between with a "
+        "data-dependent decay of its state, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True),
     ),
 }
 

@@ -126,17 +126,33 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
-    unknown = sorted(set(gates) - {"output"})
+    unknown = sorted(set(gates) - {"output", "decay"})
     if unknown:
-        raise ValueError(f"attention: unknown gates {unknown}; expected only 'output' (the caller gates v itself)")
+        raise ValueError(
+            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
+        )
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    _check_decay(gates.get("decay"), k, spec)
     if spec.window is not None and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
     if state is not None:
         _check_state(state, q, k, v, spec)
+
+
+def _check_decay(log_decay: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
+    if spec.decay != (log_decay is not None):
+        raise ValueError(
+            f"attention: {spec.describe()} has decay={spec.decay}, so it takes gates['decay'] (log-decays "
+            f"[B, Hkv, Lk]) {'and needs them' if spec.decay else 'only with decay=True'}"
+        )
+    if log_decay is not None and tuple(log_decay.shape) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"attention: gates['decay'] has shape {tuple(log_decay.shape)}; expected one log-decay per KV head and "
+            f"key, {list(k.shape[:3])}"
+        )
 
 
 def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
@@ -187,7 +203,9 @@ def attention(
             state only: linear feature maps or Taylor order N, no score clamp).
         attention_mask: `[B, L_total]` padding mask (1 = token, 0 = padding; left padding
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
-        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate.
+        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate;
+            {"decay": `[B, Hkv, Lk]`} log-decays <= 0 of the finite state (`ops.decay`), when the spec
+            has a decay (padding positions are set to 0 here: they never decay the state).
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
         params: the learned tensors the spec needs (`AttentionParams`).
         scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
@@ -220,6 +238,9 @@ def attention(
         key_mask = attention_mask[:, -key_len:].bool()
         hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    log_decay = gates.get("decay")
+    if log_decay is not None:
+        log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim), state if mode != "parallel" else None
 
@@ -244,7 +265,15 @@ def attention(
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(
-            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale, spec.sinks
+            grouped_q,
+            k,
+            key_mask,
+            kernel,
+            spec.window,
+            softmax_scale,
+            params.linear_log_scale,
+            spec.sinks,
+            None if log_decay is None else log_decay.to(compute_dtype),
         )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
@@ -276,6 +305,7 @@ def attention(
             params.linear_log_scale,
             io_dtype=out_dtype,
             in_place=update_state_in_place,
+            log_decay=None if log_decay is None else log_decay.to(compute_dtype),
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -308,13 +338,15 @@ def _finite_state(
     linear_log_scale: torch.Tensor | None,
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
     kernel reads. With a window, the finite-state part reads the keys
     that leave the window (the buffer first), and the exact part the window itself; with sinks,
     the sinks' values are zeroed on their way into the finite state and the exact part also
-    reads the sink buffer (a sink inside the window is counted there once)."""
+    reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
+    decays the finite state at each new position before the key that enters there is added."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
@@ -329,10 +361,12 @@ def _finite_state(
         entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype
+            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
         )
     else:
-        linear, packed = recurrent_linear_attention(q, keys[..., :length, :], entering, packed, kernel, in_place)
+        linear, packed = recurrent_linear_attention(
+            q, keys[..., :length, :], entering, packed, kernel, in_place, log_decay
+        )
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
     window_valid = valid if spec.sinks is None else valid & ~is_sink

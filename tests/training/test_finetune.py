@@ -128,3 +128,14 @@ def test_each_stage_trains_only_its_parameters(tiny_models, tmp_path, family, at
     changed = {name for name, tensor in trained.items() if not torch.equal(tensor, converted[name])}
     assert changed, "the run changed no parameter"
     assert {name for name in changed if not re.search(pattern, name)} == set()
+
+
+def test_lora_finetune_trains_the_decay_projection(tiny_models, tmp_path):
+    """rnn_params (decay_proj among them) train in full beside the LoRA adapters."""
+    attention = dict(kind="linear", feature_map="elu", window=4, sinks=2, decay=True)
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0))
+    converted = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), AttentionSpec(**attention))
+    trained = weights(tmp_path / "out")
+    decay = [name for name in trained if ".rnn_params.decay_proj." in name]
+    assert len(decay) == 2 * converted.config.num_hidden_layers
+    assert all(not torch.equal(trained[name], converted.state_dict()[name]) for name in decay)
