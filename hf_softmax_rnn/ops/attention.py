@@ -379,13 +379,9 @@ def _finite_state(
         window_valid=valid[:, -spec.window :].clone(),
     )
     if spec.sinks is not None:
-        window = spec.window
-        new_state.sink_keys, new_state.sink_values = filled_sinks(
-            state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype), k, augmented_v, is_sink[:, window:],
-            ranks[:, window:],
-        )  # fmt: skip
+        old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
+        sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
+        new_state.sink_keys, new_state.sink_values = sinks
         seen = state.t[:, None] + key_mask.long().cumsum(-1)
-        exact, row_max = add_sink_attention(
-            q, exact, row_max, new_state.sink_keys, new_state.sink_values, seen, window_scale
-        )
+        exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
