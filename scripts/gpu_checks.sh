@@ -84,8 +84,8 @@ if stage bench_ops_fp32; then
   timeout "$(left 120)" "${ops[@]}" --dtype float32 --output "$results/bench_ops_cuda_fp32"
 fi
 if stage fused_kernel_tests; then
-  run_tests gpu_tests_fused 200 tests/gpu/test_fused_kernels.py tests/ops/test_triton_taylor.py \
-    tests/ops/test_fla_linear.py tests/ops/test_backends.py
+  run_tests gpu_tests_fused 200 tests/gpu/test_fused_kernels.py tests/gpu/test_decay_kernels.py \
+    tests/ops/test_triton_taylor.py tests/ops/test_fla_linear.py tests/ops/test_backends.py
 fi
 if stage decode_compiled; then
   timeout "$(left 300)" "${decode[@]}" --dtype bfloat16 --compile --presets linear_elu \

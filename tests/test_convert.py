@@ -149,3 +149,20 @@ def test_bad_layer_lists_raise(layers):
 def test_bad_spec_raises_before_building_anything():
     with pytest.raises(ValueError, match="Unknown attention preset 'linear_eLU'"):
         convert(SOURCES["gpt2"](), "linear_eLU")
+
+
+def test_a_converted_decay_starts_as_the_same_spec_without_decay(family):
+    """decay_proj starts at weight 0 and bias 12 (log a = -6e-6 per position): the converted model's logits
+    are those of the spec without decay, to tolerance, while the decay itself is not exactly off."""
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True)
+    torch.manual_seed(0)
+    decayed = convert(SOURCES[family](), spec).eval()
+    torch.manual_seed(0)
+    plain = convert(SOURCES[family](), AttentionSpec(**{**spec.to_dict(), "decay": False})).eval()
+    ids, mask = batch()
+    got, want = logits(decayed, ids, mask), logits(plain, ids, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert not torch.equal(got, want)
+    for module in decayed.modules():
+        if isinstance(module, RNNParams):
+            assert not module.decay_proj.weight.any() and torch.all(module.decay_proj.bias == 12.0)

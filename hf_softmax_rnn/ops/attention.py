@@ -16,6 +16,7 @@ from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
+from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
 
@@ -32,6 +33,9 @@ class RecurrentState:
     A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
     `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
     zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
+    Attention sinks keep the first S visible positions exactly as well: `sink_keys`
+    `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
+    position (valid once j < t; zero before); `packed` never sums a sink.
     """
 
     packed: torch.Tensor
@@ -39,6 +43,8 @@ class RecurrentState:
     window_keys: torch.Tensor | None = None
     window_values: torch.Tensor | None = None
     window_valid: torch.Tensor | None = None
+    sink_keys: torch.Tensor | None = None
+    sink_values: torch.Tensor | None = None
 
     @property
     def S(self) -> torch.Tensor:
@@ -61,8 +67,9 @@ class RecurrentState:
         window: int | None = None,
         device=None,
         dtype=None,
+        sinks: int | None = None,
     ) -> RecurrentState:
-        """The state before any position (an empty window buffer when `window` is set)."""
+        """The state before any position (empty window and sink buffers when `window`, `sinks` are set)."""
         state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
@@ -71,6 +78,9 @@ class RecurrentState:
             state.window_keys = torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype)
             state.window_values = torch.zeros(batch, kv_heads, window, value_dim + 1, device=device, dtype=dtype)
             state.window_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+        if sinks is not None:
+            state.sink_keys = torch.zeros(batch, kv_heads, sinks, head_dim, device=device, dtype=dtype)
+            state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
         return state
 
     def tensors(self) -> list[torch.Tensor]:
@@ -116,17 +126,33 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params) -> 
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
-    unknown = sorted(set(gates) - {"output"})
+    unknown = sorted(set(gates) - {"output", "decay"})
     if unknown:
-        raise ValueError(f"attention: unknown gates {unknown}; expected only 'output' (the caller gates v itself)")
+        raise ValueError(
+            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
+        )
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    _check_decay(gates.get("decay"), k, spec)
     if spec.window is not None and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
     if state is not None:
         _check_state(state, q, k, v, spec)
+
+
+def _check_decay(log_decay: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
+    if spec.decay != (log_decay is not None):
+        raise ValueError(
+            f"attention: {spec.describe()} has decay={spec.decay}, so it takes gates['decay'] (log-decays "
+            f"[B, Hkv, Lk]) {'and needs them' if spec.decay else 'only with decay=True'}"
+        )
+    if log_decay is not None and tuple(log_decay.shape) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"attention: gates['decay'] has shape {tuple(log_decay.shape)}; expected one log-decay per KV head and "
+            f"key, {list(k.shape[:3])}"
+        )
 
 
 def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
@@ -144,6 +170,9 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec) -> None:
         raise ValueError(
             f"attention: the state holds a window of {found} positions but the spec has window={spec.window}"
         )
+    held_sinks = None if state.sink_keys is None else state.sink_keys.shape[2]
+    if held_sinks != spec.sinks:
+        raise ValueError(f"attention: the state holds {held_sinks} sinks but the spec has sinks={spec.sinks}")
 
 
 def attention(
@@ -175,7 +204,9 @@ def attention(
             state only: linear feature maps or Taylor order N, no score clamp).
         attention_mask: `[B, L_total]` padding mask (1 = token, 0 = padding; left padding
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
-        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate.
+        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate;
+            {"decay": `[B, Hkv, Lk]`} log-decays <= 0 of the finite state (`ops.decay`), when the spec
+            has a decay (padding positions are set to 0 here: they never decay the state).
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
         params: the learned tensors the spec needs (`AttentionParams`).
         scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
@@ -208,6 +239,9 @@ def attention(
         key_mask = attention_mask[:, -key_len:].bool()
         hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    log_decay = gates.get("decay")
+    if log_decay is not None:
+        log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim), state if mode != "parallel" else None
 
@@ -232,7 +266,15 @@ def attention(
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(
-            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale
+            grouped_q,
+            k,
+            key_mask,
+            kernel,
+            spec.window,
+            softmax_scale,
+            params.linear_log_scale,
+            spec.sinks,
+            None if log_decay is None else log_decay.to(compute_dtype),
         )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
@@ -240,7 +282,15 @@ def attention(
     else:
         if state is None:
             state = RecurrentState.zeros(
-                batch, kv_heads, spec.feature_dim(head_dim), head_dim, value_dim, spec.window, q.device, compute_dtype
+                batch,
+                kv_heads,
+                spec.feature_dim(head_dim),
+                head_dim,
+                value_dim,
+                spec.window,
+                q.device,
+                compute_dtype,
+                sinks=spec.sinks,
             )
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
         augmented, new_state = _finite_state(
@@ -256,6 +306,7 @@ def attention(
             params.linear_log_scale,
             io_dtype=out_dtype,
             in_place=update_state_in_place,
+            log_decay=None if log_decay is None else log_decay.to(compute_dtype),
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -288,30 +339,39 @@ def _finite_state(
     linear_log_scale: torch.Tensor | None,
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
     kernel reads. With a window, the finite-state part reads the keys
-    that leave the window (the buffer first), and the exact part the window itself."""
+    that leave the window (the buffer first), and the exact part the window itself; with sinks,
+    the sinks' values are zeroed on their way into the finite state and the exact part also
+    reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
+    decays the finite state at each new position before the key that enters there is added."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
-        keys, values = k, augmented_v
+        keys, values, valid = k, augmented_v, key_mask
     else:
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
+        valid = torch.cat([state.window_valid, key_mask], dim=-1)
+    entering = values[..., :length, :]
+    if spec.sinks is not None:
+        is_sink, ranks = sink_positions(valid, state.t, spec.sinks, spec.window)
+        entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size, io_dtype
+            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
         )
     else:
         linear, packed = recurrent_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, in_place
+            q, keys[..., :length, :], entering, packed, kernel, in_place, log_decay
         )
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
-    valid = torch.cat([state.window_valid, key_mask], dim=-1)
-    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
+    window_valid = valid if spec.sinks is None else valid & ~is_sink
+    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
     new_state = RecurrentState(
         packed=packed,
         t=state.t,
@@ -319,4 +379,10 @@ def _finite_state(
         window_values=values[..., -spec.window :, :].clone(),
         window_valid=valid[:, -spec.window :].clone(),
     )
+    if spec.sinks is not None:
+        old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
+        sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
+        new_state.sink_keys, new_state.sink_values = sinks
+        seen = state.t[:, None] + key_mask.long().cumsum(-1)
+        exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state

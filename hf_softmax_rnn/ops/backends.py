@@ -6,10 +6,11 @@ gradients, tested against the float64 references):
 - `"fla"`: chunked linear attention on feature-mapped q and k through flash-linear-attention's
   `chunk_simple_gla` (`pip install hf-softmax-rnn[gpu]`), for feature maps of at most
   `FLA_MAX_FEATURES` features (elu, relu, identity, cosine, hedgehog, Taylor-1) and for the part
-  of the sliding-window hybrids older than the window. It carries the recurrent state, so it
-  serves training, scoring and prefill alike.
-- `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window,
-  when the caller needs no recurrent state (training and scoring without a cache).
+  of the sliding-window hybrids older than the window, with a data-dependent decay as fla's gate
+  `g` where the spec has one. It carries the recurrent state, so it serves training, scoring and
+  prefill alike.
+- `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window or
+  a decay, when the caller needs no recurrent state (training and scoring without a cache).
 
 Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
 or `fused_kernels(False)` turns the fused kernels off (for comparisons). Where a fused kernel would
@@ -107,6 +108,8 @@ def polynomial_backend(
     if not _fused_device(device_type, dtype) or needs_state or mode == "recurrent":
         return None
     if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
+        return None
+    if spec.decay:  # the Triton kernel has no forget gate; the chunked forms carry it
         return None
     if spec.score_clamp is not None:
         return None

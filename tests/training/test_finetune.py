@@ -152,3 +152,14 @@ def test_finetune_on_generated_text_trains_on_the_models_own_samples(tiny_models
     assert mixed.evaluations["base"] == plain.evaluations["base"]
     saved = json.loads((tmp_path / "mixed" / "results.json").read_text())
     assert saved["config"]["dataset"] == "pydoc+generated"
+
+
+def test_lora_finetune_trains_the_decay_projection(tiny_models, tmp_path):
+    """rnn_params (decay_proj among them) train in full beside the LoRA adapters."""
+    attention = dict(kind="linear", feature_map="elu", window=4, sinks=2, decay=True)
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0))
+    converted = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), AttentionSpec(**attention))
+    trained = weights(tmp_path / "out")
+    decay = [name for name in trained if ".rnn_params.decay_proj." in name]
+    assert len(decay) == 2 * converted.config.num_hidden_layers
+    assert all(not torch.equal(trained[name], converted.state_dict()[name]) for name in decay)
