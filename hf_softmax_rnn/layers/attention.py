@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -44,9 +45,26 @@ logger = logging.getLogger(__name__)
 
 #: Gate bias at initialisation: sigmoid(5) = 0.993, so a gate starts (almost) open.
 GATE_BIAS_INIT = 5.0
-#: Decay bias at initialisation: log a_t = logsigmoid(12) = -6.1e-6 per position, so a key 1,024 positions
-#: back keeps 0.994 of its weight and one 8,192 back 0.95: a converted model starts (almost) without decay.
-DECAY_BIAS_INIT = 12.0
+#: Half-lives (in positions) of the finite state at initialisation, shortest and longest: KV head j of
+#: Hkv starts at the j-th of Hkv half-lives spaced geometrically between them (one head: their geometric
+#: mean). Training blocks are 1,024 to 2,048 positions, so what a layer does further back is mostly set
+#: here: a spread bounds the state's mass at any length and lets distillation choose between heads.
+DECAY_HALF_LIFE_RANGE = (512.0, 16384.0)
+
+
+def decay_half_lives(num_kv_heads: int) -> torch.Tensor:
+    """`[Hkv]` initial half-lives, geometric over `DECAY_HALF_LIFE_RANGE`."""
+    shortest, longest = (math.log(x) for x in DECAY_HALF_LIFE_RANGE)
+    if num_kv_heads == 1:
+        return torch.tensor([math.exp((shortest + longest) / 2)])
+    return torch.exp(torch.linspace(shortest, longest, num_kv_heads, dtype=torch.float64)).float()
+
+
+def decay_bias(half_lives: torch.Tensor) -> torch.Tensor:
+    """The bias b with sigmoid(b) = a = 2^(-1 / half-life): logit(a) = -log(2^(1/h) - 1)."""
+    return -torch.log(torch.expm1(math.log(2.0) / half_lives.double())).float()
+
+
 #: Initial logit p_h of the seqlen_pow normaliser (values divided by t^sigmoid(p_h)).
 SEQLEN_POWER_INIT = 0.5
 
@@ -80,7 +98,8 @@ class RNNParams(nn.Module):
     identity `eye(D, F)` per head, so phi(x) = [softmax(x), softmax(-x)] starts as the
     Hedgehog paper's initialisation, to be fitted to softmax by attention transfer; the
     window's linear log weight 0 (the finite-state part weighs as the kernel says); the decay
-    weight 0 and bias `DECAY_BIAS_INIT`, so the state decays by the constant 1 - 6e-6 per position.
+    weight 0 and the bias of each KV head set by `decay_half_lives`, so each head's state starts with
+    a constant half-life between 512 and 16,384 positions.
     """
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
@@ -111,7 +130,8 @@ class RNNParams(nn.Module):
                 init.constant_(gate.bias, GATE_BIAS_INIT)
         if self.decay_proj is not None:
             init.zeros_(self.decay_proj.weight)
-            init.constant_(self.decay_proj.bias, DECAY_BIAS_INIT)
+            bias = decay_bias(decay_half_lives(self.decay_proj.out_features))
+            init.copy_(self.decay_proj.bias, bias.to(self.decay_proj.bias))
         for name in self._tensor_names:
             tensor = getattr(self, name)
             if name.startswith("hedgehog"):
