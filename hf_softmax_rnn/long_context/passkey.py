@@ -56,11 +56,15 @@ def passkey_prompt(tokenizer, filler: Sequence[int], prompt_tokens: int, depth: 
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     head, needle, question = encode(INSTRUCTION), encode(NEEDLE.format(key=key)), encode(QUESTION)
     room = prompt_tokens - len(head) - len(needle) - len(question)
-    if room < 1 or room > len(filler):
+    if room < 1:
         raise UserInputError(
-            f"a passkey prompt of {prompt_tokens} tokens needs {max(room, 1)} filler tokens; the filler holds "
-            f"{len(filler)} and the fixed text {len(head) + len(needle) + len(question)}: pass a longer length or "
-            "more filler text"
+            f"a passkey prompt of {prompt_tokens} tokens leaves no room for filler: the instruction, key sentence and "
+            f"question take {len(head) + len(needle) + len(question)} tokens; pass a longer passkey length"
+        )
+    if room > len(filler):
+        raise UserInputError(
+            f"a passkey prompt of {prompt_tokens} tokens needs {room} filler tokens, more than the {len(filler)} of "
+            "the filler texts; pass more filler text or a shorter passkey length"
         )
     cut = round(depth * room)
     return [*head, *filler[:cut], *needle, *filler[cut:room], *question]
