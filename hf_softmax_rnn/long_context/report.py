@@ -53,6 +53,7 @@ class LongContextSettings:
     def __post_init__(self) -> None:
         self.buckets = check_buckets(self.buckets)
         check_count("sequences", self.sequences)
+        check_count("trials", self.trials)
         self.passkey_lengths = tuple(self.passkey_lengths)
         self.depths = tuple(self.depths)
 
