@@ -9,7 +9,6 @@ side, each beside a reference (the original model).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +98,7 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
     lines = [
         "Perplexity by position (tokens scored per bucket: "
         + ", ".join(f"{_bucket_label(b)}: {b['tokens']:,}" for b in base)
-        + "; in brackets the ratio to "
-        + f"{reference}).",
+        + (f"; in brackets the ratio to {reference})." if len(results) > 1 else ")."),
         "",
         "| model | " + " | ".join(header) + " | tokens | time |",
         "|---" * (len(header) + 3) + "|",
@@ -135,25 +133,29 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
 
 
 def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
-    """Two panels: perplexity per position bucket of every model, and each model's ratio to `reference`."""
+    """Perplexity per position bucket of every model and, beside it when there are several, each
+    model's ratio to `reference`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     base = results[reference]["positions"]["buckets"]
-    centres = [math.sqrt(max(b["start"], 1) * b["end"]) for b in base]
-    figure, (curves, ratios) = plt.subplots(1, 2, figsize=(11, 4))
+    compared = len(results) > 1
+    figure, axes = plt.subplots(1, 2 if compared else 1, figsize=(11 if compared else 6, 4), squeeze=False)
+    curves, ratios = axes[0, 0], axes[0, -1]
+    places = range(len(base))
     for name, result in results.items():
         values = [b["perplexity"] for b in result["positions"]["buckets"]]
-        curves.plot(centres, values, marker="o", label=name)
+        curves.plot(places, values, marker="o", label=name)
         if name != reference:
-            ratios.plot(centres, [v / r["perplexity"] for v, r in zip(values, base)], marker="o", label=name)
-    ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
-    for axis, ylabel in ((curves, "perplexity"), (ratios, f"perplexity / {reference}")):
-        axis.set_xscale("log")
-        axis.set_xticks(centres, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
-        axis.minorticks_off()
+            ratios.plot(places, [v / r["perplexity"] for v, r in zip(values, base)], marker="o", label=name)
+    panels = [(curves, "perplexity")]
+    if compared:
+        ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
+        panels.append((ratios, f"perplexity / {reference}"))
+    for axis, ylabel in panels:
+        axis.set_xticks(places, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
         axis.set_xlabel("position bucket (tokens of context)")
         axis.set_ylabel(ylabel)
         axis.legend(fontsize=8)
