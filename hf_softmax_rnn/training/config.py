@@ -229,8 +229,8 @@ class FinetuneConfig:
         False,
         "after training, measure perplexity by position and passkey retrieval of the unconverted and the trained "
         "model on --long-eval-texts (results.json 'long_context', long_context.png); with the defaults (2 sequences "
-        "of 4,096 tokens, 10 passkey prompts of 1,024 and 2,048 tokens per model) about 5 minutes on 2 CPU cores for "
-        "SmolLM2-135M",
+        "of 4,096 tokens, 10 passkey prompts of 1,024 and 2,048 tokens) about 12 minutes per model for SmolLM2-135M "
+        "on 2 busy CPU cores",
         group=_LONG,
     )
     long_eval_texts: str = option(
