@@ -3,6 +3,7 @@ fine-tuning, with Accelerate.
 
     hf-softmax-rnn finetune --output-dir out/hybrid     # hedgehog_window_64, the recipe that recovers
     hf-softmax-rnn finetune --output-dir out/l2 --attention gated_softmax_no_gate_L2norm_nodivS_noclamp
+    hf-softmax-rnn finetune --output-dir out/hybrid --long-eval   # + perplexity by position, passkey
 
 Several processes (GPUs, or gloo on CPU):
 
