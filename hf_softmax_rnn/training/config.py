@@ -162,6 +162,9 @@ class FinetuneConfig:
     block_size: int = option(
         1024, "tokens per packed block, trained and scored (long blocks teach the state long range)", group=_DATA
     )
+    eval_block_size: int | None = option(
+        None, "tokens per held-out block (default: --block-size), so runs trained on other lengths compare", group=_DATA
+    )
     batch_size: int = option(1, "blocks per process per micro-batch", group=_DATA)
     grad_accum: int = option(1, "micro-batches per optimizer step", group=_DATA)
     eval_batch_size: int = option(8, "blocks per process per evaluation batch", group=_DATA)
@@ -280,8 +283,10 @@ class FinetuneConfig:
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
         self.dataset_sources = source_names(self.dataset)
-        if self.block_size < 2:
-            raise UserInputError(f"block_size={self.block_size} is not allowed; expected an int >= 2")
+        for name in ("block_size", "eval_block_size"):
+            value = getattr(self, name)
+            if value is not None and not value >= 2:
+                raise UserInputError(f"{name}={value} is not allowed; expected an int >= 2")
         if self.max_eval_blocks is not None:
             _check_at_least("max_eval_blocks", self.max_eval_blocks)
         if not 0 < self.test_fraction < 1:
@@ -326,6 +331,11 @@ class FinetuneConfig:
             raise UserInputError(
                 f"mixed_precision='fp16' is not allowed on {device_type}; expected 'bf16' or 'no' (fp16 needs a GPU)"
             )
+
+    @property
+    def heldout_block_size(self) -> int:
+        """Tokens per held-out block."""
+        return self.eval_block_size or self.block_size
 
     @property
     def stage_names(self) -> list[str]:

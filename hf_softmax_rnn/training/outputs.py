@@ -162,7 +162,7 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         evaluations=run.evaluations,
         evaluation_text=(
             f"Perplexity is exp of the mean next-token negative log-likelihood over the test split of the data, "
-            f"packed into {config.block_size}-token blocks that are each scored on their own ({tokens:,} "
+            f"packed into {config.heldout_block_size}-token blocks that are each scored on their own ({tokens:,} "
             "predicted tokens)."
         ),
         stages=run.stages,

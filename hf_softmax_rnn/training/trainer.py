@@ -177,7 +177,9 @@ class Finetuner:
                 seed=config.seed,
                 shuffle_buffer=config.shuffle_buffer,
             )
-            self.eval_ids = eval_blocks(texts["test"], self.tokenizer, config.block_size, config.max_eval_blocks)
+            self.eval_ids = eval_blocks(
+                texts["test"], self.tokenizer, config.heldout_block_size, config.max_eval_blocks
+            )
         fingerprint = data_fingerprint(self.train_data, self.eval_ids)
         if self.resume_from is not None:
             check_exact_resume(
@@ -226,11 +228,13 @@ class Finetuner:
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         maximum = getattr(model.config, "max_position_embeddings", None)
-        if maximum is not None and self.config.block_size > maximum:
-            raise UserInputError(
-                f"block_size={self.config.block_size} is larger than the model's maximum of {maximum} positions "
-                f"(max_position_embeddings of {self.config.model!r}); use --block-size <= {maximum}"
-            )
+        for name in ("block_size", "eval_block_size"):
+            value = getattr(self.config, name)
+            if maximum is not None and value is not None and value > maximum:
+                raise UserInputError(
+                    f"{name}={value} is larger than the model's maximum of {maximum} positions "
+                    f"(max_position_embeddings of {self.config.model!r}); use --{name.replace('_', '-')} <= {maximum}"
+                )
 
     # ------------------------------------------------------------------ evaluation and logging
     def _log(self, stage: str, **values: float) -> None:
