@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
-from hf_softmax_rnn.ops.backends import polynomial_backend
+from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
+from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
@@ -237,6 +238,9 @@ def attention(
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:
+        window_fused = window_backend(
+            q.device.type, out_dtype, spec, mode, needs_state, state is None, head_dim, value_dim
+        )
         if state is None:
             state = RecurrentState.zeros(
                 batch, kv_heads, spec.feature_dim(head_dim), head_dim, value_dim, spec.window, q.device, compute_dtype
@@ -255,6 +259,7 @@ def attention(
             params.linear_log_scale,
             io_dtype=out_dtype,
             in_place=update_state_in_place,
+            window_fused=window_fused,
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -287,11 +292,13 @@ def _finite_state(
     linear_log_scale: torch.Tensor | None,
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
+    window_fused: str | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
     kernel reads. With a window, the finite-state part reads the keys
-    that leave the window (the buffer first), and the exact part the window itself."""
+    that leave the window (the buffer first), and the exact part the window itself (in
+    FlexAttention when `window_fused` is "flex": an empty buffer, see `ops.backends`)."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
@@ -310,7 +317,6 @@ def _finite_state(
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
     valid = torch.cat([state.window_valid, key_mask], dim=-1)
-    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
     new_state = RecurrentState(
         packed=packed,
         t=state.t,
@@ -318,4 +324,26 @@ def _finite_state(
         window_values=values[..., -spec.window :, :].clone(),
         window_valid=valid[:, -spec.window :].clone(),
     )
+    if window_fused == "flex":
+        return _flex_window_hybrid(q, k, augmented_v, key_mask, linear, window_scale, spec.window, linear_log_scale,
+                                   io_dtype), new_state  # fmt: skip
+    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
+
+
+def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, window, log_scale, io_dtype) -> torch.Tensor:
+    """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state, its exact part
+    in FlexAttention (read in `io_dtype`) and `linear` (`[B, Hkv, G, L, Dv + 1]`) beyond the window."""
+    batch, kv_heads, groups, length, head_dim = q.shape
+    io_dtype = io_dtype or q.dtype
+    out, lse = flex_window_attention(
+        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype),
+        k.to(io_dtype),
+        augmented_v[..., :-1].to(io_dtype),
+        key_mask,
+        scale,
+        window,
+        compiled=q.is_cuda,
+    )
+    combined = combine_window_and_linear(out, lse, linear.reshape(batch, kv_heads * groups, length, -1), log_scale)
+    return combined.view(linear.shape)
