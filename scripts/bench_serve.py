@@ -150,7 +150,11 @@ def _attempt(server: Server, args) -> Callable[[int], Measurement | None]:
     return attempt
 
 
-def run_benchmark(servers: list[Server], vocab_size: int, device: torch.device, args) -> list[Measurement]:
+def run_benchmark(
+    servers: list[Server], vocab_size: int, device: torch.device, args, done: Callable[[list[Measurement]], None]
+) -> list[Measurement]:
+    """For each context, each model at its largest batch; `done` is handed the measurements so far after
+    each context (a run cut short keeps what finished)."""
     measurements = []
     generator = torch.Generator().manual_seed(0)
     stream = torch.randint(0, vocab_size, (args.contexts[-1],), generator=generator).to(device)
@@ -163,6 +167,7 @@ def run_benchmark(servers: list[Server], vocab_size: int, device: torch.device, 
             server.cache = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        done(measurements)
     return measurements
 
 
@@ -280,8 +285,6 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config)
     servers = [Server(name, convert(base_model, name).eval().to(device=device, dtype=dtype)) for name in args.presets]
     servers.insert(0, Server(BASELINE, base_model.eval().to(device=device, dtype=dtype)))
-    measurements = run_benchmark(servers, config.vocab_size, device, args)
-
     hardware = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
     )
@@ -289,8 +292,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, eager, "
         f"{args.dtype}, {hardware}; largest batch <= {args.max_batch} that fits, {args.steps} timed steps"
     )
-    report = "\n".join([title, "", markdown_table(measurements, args.contexts), "", *summary(measurements)])
-    print(report)
+    run_benchmark(servers, config.vocab_size, device, args, lambda done: write_report(done, args, title))
+    print((args.output / "bench_serve.md").read_text(), end="")
+
+
+def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
+    """OUTPUT/bench_serve.{md,json,png} for the contexts measured so far."""
+    contexts = [c for c in args.contexts if any(m.context == c for m in measurements)]
+    report = "\n".join([title, "", markdown_table(measurements, contexts), "", *summary(measurements)])
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "bench_serve.md").write_text(report + "\n")
     settings = {key: str(value) for key, value in vars(args).items()}

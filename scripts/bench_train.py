@@ -28,6 +28,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,47 +88,58 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_step(trainer: Trainer, ids: torch.Tensor) -> tuple[float | None, int | None]:
-    """(seconds, CUDA peak bytes) of one step; (None, None) when it runs out of memory."""
+def _timed_step(trainer: Trainer, ids: torch.Tensor) -> tuple[float | str, int | None]:
+    """(seconds, CUDA peak bytes) of one step, or (what went wrong, None): out of memory, or a kernel's
+    error (logged with its traceback; the other models go on)."""
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
     try:
         seconds = trainer.step(ids)
     except torch.OutOfMemoryError:
-        trainer.optimizer.zero_grad(set_to_none=True)
+        error = OUT_OF_MEMORY
+    except Exception as exception:  # noqa: BLE001 (a benchmark reports a failing model and times the rest)
+        logger.exception("%s failed at L=%d", trainer.name, ids.shape[-1])
+        error = f"error: {type(exception).__name__}"
+    else:
+        return seconds, torch.cuda.max_memory_allocated(trainer.device) if cuda else None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if cuda:
         torch.cuda.empty_cache()
-        return None, None
-    return seconds, torch.cuda.max_memory_allocated(trainer.device) if cuda else None
+    return error, None
 
 
-def run_benchmark(trainers: list[Trainer], vocab_size: int, args) -> list[Measurement]:
-    """For each length: warm every model up, then time them in interleaved rounds."""
+def run_benchmark(
+    trainers: list[Trainer], vocab_size: int, args, done: Callable[[list[Measurement]], None]
+) -> list[Measurement]:
+    """For each length: warm every model up, then time them in interleaved rounds; `done` is handed
+    the measurements so far after each length (a run cut short keeps what finished)."""
     measurements = []
     generator = torch.Generator().manual_seed(0)
     for length in args.lengths:
         batch = args.tokens_per_step // length
         ids = torch.randint(0, vocab_size, (batch, length), generator=generator).to(trainers[0].device)
-        failed: set[str] = set()
+        failed: dict[str, str] = {}
         for trainer in trainers:
             for _ in range(args.warmup):
-                if _timed_step(trainer, ids)[0] is None:
-                    failed.add(trainer.name)
+                result = _timed_step(trainer, ids)[0]
+                if isinstance(result, str):
+                    failed[trainer.name] = result
                     break
         times: dict[str, list[float]] = {trainer.name: [] for trainer in trainers}
         peaks: dict[str, int] = {}
         for _ in range(args.steps):
             for trainer in (t for t in trainers if t.name not in failed):
                 seconds, peak = _timed_step(trainer, ids)
-                if seconds is None:
-                    failed.add(trainer.name)
+                if isinstance(seconds, str):
+                    failed[trainer.name] = seconds
                     continue
                 times[trainer.name].append(seconds)
                 if peak is not None:
                     peaks[trainer.name] = max(peaks.get(trainer.name, 0), peak)
         for trainer in trainers:
             if trainer.name in failed:
-                measurement = Measurement(trainer.name, length, batch, None, None, None, OUT_OF_MEMORY)
+                measurement = Measurement(trainer.name, length, batch, None, None, None, failed[trainer.name])
             else:
                 seconds = statistics.median(times[trainer.name])
                 measurement = Measurement(
@@ -135,6 +147,7 @@ def run_benchmark(trainers: list[Trainer], vocab_size: int, args) -> list[Measur
                 )
             logger.info("%s", measurement)
             measurements.append(measurement)
+        done(measurements)
     return measurements
 
 
@@ -266,8 +279,6 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
     trainers.insert(0, Trainer(BASELINE, base_model, device))
-    measurements = run_benchmark(trainers, config.vocab_size, args)
-
     hardware = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
     )
@@ -276,8 +287,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: training step (fwd+bwd+AdamW), "
         f"{args.tokens_per_step} tokens per step, {precision}, {hardware}; median of {args.steps}"
     )
-    report = "\n".join([title, "", markdown_table(measurements, args.lengths), "", *summary(measurements)])
-    print(report)
+    run_benchmark(trainers, config.vocab_size, args, lambda done: write_report(done, args, title))
+    print((args.output / "bench_train.md").read_text(), end="")
+
+
+def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
+    """OUTPUT/bench_train.{md,json,png} for the lengths measured so far."""
+    lengths = [n for n in args.lengths if any(m.length == n for m in measurements)]
+    report = "\n".join([title, "", markdown_table(measurements, lengths), "", *summary(measurements)])
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "bench_train.md").write_text(report + "\n")
     settings = {key: str(value) for key, value in vars(args).items()}

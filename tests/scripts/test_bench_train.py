@@ -46,6 +46,28 @@ def test_training_throughput_of_the_original_and_converted_models(tmp_path, monk
     assert (output / "bench_train.png").stat().st_size > 0
 
 
+def test_a_model_that_fails_is_reported_and_the_others_are_timed(tmp_path, monkeypatch, capsys):
+    module = _load_script(monkeypatch)
+    step = module.Trainer.step
+
+    def failing_step(self, ids):
+        if self.name == "linear_elu" and ids.shape[-1] == LENGTHS[1]:
+            raise RuntimeError("kernel failed")
+        return step(self, ids)
+
+    monkeypatch.setattr(module.Trainer, "step", failing_step)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", "linear_elu", "--lengths", *map(str, LENGTHS)]
+    module.main(argv + ["--tokens-per-step", "64", "--steps", "1", "--warmup", "1", "--output", str(output)])
+    cells = {
+        (m["model"], m["length"]): m for m in json.loads((output / "bench_train.json").read_text())["measurements"]
+    }
+    assert cells["linear_elu", LENGTHS[1]]["error"] == "error: RuntimeError"
+    assert cells["linear_elu", LENGTHS[1]]["tokens_per_s"] is None
+    assert all(m["tokens_per_s"] > 0 for key, m in cells.items() if key != ("linear_elu", LENGTHS[1]))
+    assert "error: RuntimeError" in capsys.readouterr().out
+
+
 def test_training_steps_change_the_weights_of_every_model(tmp_path, monkeypatch):
     module = _load_script(monkeypatch)
     config = LlamaConfig(**LLAMA_SHAPE)
