@@ -267,14 +267,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
     if not (args.model / "config.json").is_file():
         parser.error(f"--model={str(args.model)!r} is not allowed; expected a folder with a config.json")
-    try:
-        resolve_device(args.device)
-    except UserInputError as error:
-        parser.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:  # what this machine has, apart from parse_args (which checks GPU commands anywhere)
+        resolve_device(args.device)
+    except UserInputError as error:
+        print(f"bench_serve.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config = AutoConfig.from_pretrained(args.model)
