@@ -76,6 +76,10 @@ def _mask_mod(key_valid: torch.Tensor, starts: torch.Tensor, window: int, sinks:
     return mask_mod
 
 
+#: FlexAttention's default block size.
+_BLOCK = 128
+
+
 @functools.cache
 def _flex_function(name: str, compiled: bool):
     """FlexAttention's `create_block_mask` or `flex_attention`, through `torch.compile` if `compiled`."""
@@ -101,7 +105,9 @@ def flex_window_attention(
     fused kernel; CUDA); False runs FlexAttention's eager form (forward only on CPU). Each new
     (shape, dtype, window, sinks) compiles once more."""
     batch, _, length, _ = q.shape
-    mask_mod = _mask_mod(key_valid, first_visible(key_valid), window, sinks)
+    # the kernel may evaluate the mask at indices past L in its last block: read False there
+    readable = torch.nn.functional.pad(key_valid, (0, -length % _BLOCK + _BLOCK), value=False)
+    mask_mod = _mask_mod(readable, first_visible(key_valid), window, sinks)
     block_mask = _flex_function("create_block_mask", compiled)(mask_mod, batch, None, length, length, device=q.device)
     attend = _flex_function("flex_attention", compiled)
     out, lse = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
