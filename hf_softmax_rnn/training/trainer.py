@@ -186,13 +186,15 @@ class Finetuner:
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
-            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out blocks",
+            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out "
+            "blocks; distributed: %s",
             self.global_batch,
             config.block_size,
             config.batch_size,
             self.accelerator.num_processes,
             config.grad_accum,
             len(self.eval_ids),
+            self.accelerator.distributed_type.value,
         )
 
     # ------------------------------------------------------------------ checks

@@ -26,20 +26,22 @@ SETTINGS = dict(
 )  # fmt: skip
 
 
-def _finetune(launcher: list[str], model: str, output: Path) -> dict:
+def _finetune(launcher: list[str], model: str, output: Path) -> tuple[dict, str]:
+    """(the held-out perplexities of the run's last report line, its log)."""
     flags = [item for key, value in SETTINGS.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     command = [*launcher, "-m", "hf_softmax_rnn.cli", "finetune", "--output-dir", str(output), "--model", model]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(command + flags, env=environment, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
 def test_fsdp2_finetune_equals_the_plain_run(tmp_path):
     model = save_tiny_model("llama", tmp_path / "model", word_tokenizer())
-    plain = _finetune([sys.executable], model, tmp_path / "plain")
+    plain, plain_log = _finetune([sys.executable], model, tmp_path / "plain")
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
-    sharded = _finetune(accelerate, model, tmp_path / "fsdp")
+    sharded, sharded_log = _finetune(accelerate, model, tmp_path / "fsdp")
+    assert "distributed: NO" in plain_log and "distributed: FSDP" in sharded_log, sharded_log[-3000:]
     assert sharded.keys() == plain.keys()
     assert list(sharded.values()) == pytest.approx(list(plain.values()), rel=1e-3)
     want, got = weights(tmp_path / "plain"), weights(tmp_path / "fsdp")
