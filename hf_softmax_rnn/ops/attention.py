@@ -337,9 +337,9 @@ def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, window, log_
     batch, kv_heads, groups, length, head_dim = q.shape
     io_dtype = io_dtype or q.dtype
     out, lse = flex_window_attention(
-        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype),
-        k.to(io_dtype),
-        augmented_v[..., :-1].to(io_dtype),
+        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype).contiguous(),
+        k.to(io_dtype).contiguous(),
+        augmented_v[..., :-1].to(io_dtype).contiguous(),  # (rows of Dv + 1 values are misaligned)
         key_mask,
         scale,
         window,
