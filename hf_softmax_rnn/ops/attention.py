@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
-from hf_softmax_rnn.ops.backends import polynomial_backend
+from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
+from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
@@ -280,6 +281,9 @@ def attention(
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:
+        window_fused = window_backend(
+            q.device.type, out_dtype, spec, mode, needs_state, state is None, head_dim, value_dim
+        )
         if state is None:
             state = RecurrentState.zeros(
                 batch,
@@ -307,6 +311,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
+            window_fused=window_fused,
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -340,6 +345,7 @@ def _finite_state(
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
+    window_fused: str | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -347,7 +353,9 @@ def _finite_state(
     that leave the window (the buffer first), and the exact part the window itself; with sinks,
     the sinks' values are zeroed on their way into the finite state and the exact part also
     reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
-    decays the finite state at each new position before the key that enters there is added."""
+    decays the finite state at each new position before the key that enters there is added.
+    With `window_fused` "flex" (an empty buffer and no state wanted back, see `ops.backends`) the
+    exact part, sinks included, runs in FlexAttention."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
@@ -371,7 +379,6 @@ def _finite_state(
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
     window_valid = valid if spec.sinks is None else valid & ~is_sink
-    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
     new_state = RecurrentState(
         packed=packed,
         t=state.t,
@@ -379,6 +386,12 @@ def _finite_state(
         window_values=values[..., -spec.window :, :].clone(),
         window_valid=valid[:, -spec.window :].clone(),
     )
+    if window_fused == "flex":
+        exact_and_linear = _flex_window_hybrid(
+            q, k, augmented_v, key_mask, linear, window_scale, spec, linear_log_scale, io_dtype
+        )
+        return exact_and_linear, new_state
+    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
     if spec.sinks is not None:
         old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
         sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
@@ -386,3 +399,23 @@ def _finite_state(
         seen = state.t[:, None] + key_mask.long().cumsum(-1)
         exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
+
+
+def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, spec, log_scale, io_dtype) -> torch.Tensor:
+    """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state, its exact part
+    (window and sinks) in FlexAttention (read in `io_dtype`) and `linear` (`[B, Hkv, G, L, Dv + 1]`)
+    beyond them."""
+    batch, kv_heads, groups, length, head_dim = q.shape
+    io_dtype = io_dtype or q.dtype
+    out, lse = flex_window_attention(
+        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype).contiguous(),
+        k.to(io_dtype).contiguous(),
+        augmented_v[..., :-1].to(io_dtype).contiguous(),  # (rows of Dv + 1 values are misaligned)
+        key_mask,
+        scale,
+        spec.window,
+        sinks=spec.sinks or 0,
+        compiled=q.is_cuda,
+    )
+    combined = combine_window_and_linear(out, lse, linear.reshape(batch, kv_heads * groups, length, -1), log_scale)
+    return combined.view(linear.shape)

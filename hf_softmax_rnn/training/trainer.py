@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -110,6 +111,19 @@ def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
     return accelerator.reduce(non_finite, "sum").item() == 0
 
 
+def check_launched_processes(num_processes: int) -> None:
+    """Raise `UserInputError` where the launcher started several processes (WORLD_SIZE) but Accelerate
+    set up fewer: each would run the whole fine-tuning on its own. Accelerate does so on a machine
+    without a GPU unless told to use the CPU (FSDP and DeepSpeed need GPUs)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > num_processes:
+        raise UserInputError(
+            f"the launcher started WORLD_SIZE={launched} processes but Accelerate set up {num_processes}, so each "
+            "would run the whole fine-tuning alone; without a GPU pass --cpu (gloo: `ACCELERATE_USE_CPU=1 "
+            "accelerate launch --multi_gpu --num_processes N ...`; FSDP and DeepSpeed need GPUs)"
+        )
+
+
 class Finetuner:
     """One fine-tuning run. The constructor loads and checks everything; `run()` trains."""
 
@@ -122,6 +136,7 @@ class Finetuner:
         self.accelerator = Accelerator(
             cpu=config.cpu, mixed_precision=config.mixed_precision, kwargs_handlers=[self._ddp_kwargs]
         )
+        check_launched_processes(self.accelerator.num_processes)
         config.check_device(self.accelerator.device.type)
         self.resume_from = self._checkpoint_to_resume()
         self.state = (
@@ -189,13 +204,15 @@ class Finetuner:
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
-            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out blocks",
+            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out "
+            "blocks; distributed: %s",
             self.global_batch,
             config.block_size,
             config.batch_size,
             self.accelerator.num_processes,
             config.grad_accum,
             len(self.eval_ids),
+            self.accelerator.distributed_type.value,
         )
 
     def _generated_corpus(self) -> DatasetDict:
