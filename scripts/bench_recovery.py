@@ -43,9 +43,11 @@ from hf_softmax_rnn.training.trainer import Finetuner
 
 logger = logging.getLogger("bench_recovery")
 
-#: Rows: name -> attention preset (None: the model as it is). "window_only" is the floor any
-#: hybrid must beat: exact softmax over the last 64 positions and nothing beyond.
-ROWS = {
+#: Rows: name -> attention preset (None: the model as it is), or (preset, settings that differ from the
+#: command line's). "window_only" is the floor any hybrid must beat: exact softmax over the last 64
+#: positions and nothing beyond. The last row is a recipe for long contexts: sinks, decay, the model's own
+#: text beside the corpus, and blocks of 2,048 tokens (half the steps: the same training tokens).
+ROWS: dict[str, str | None | tuple[str, dict]] = {
     "base": None,
     "window_only": "hedgehog_window_64",
     "linear_elu": "linear_elu",
@@ -55,6 +57,12 @@ ROWS = {
     "taylor_2_window_64": "taylor_2_window_64",
     "hedgehog_window_64_l2": "hedgehog_window_64_l2",
     "gated_softmax_no_gate_L2norm_nodivS_noclamp": "gated_softmax_no_gate_L2norm_nodivS_noclamp",
+    "hedgehog_window_64_sinks_4": "hedgehog_window_64_sinks_4",
+    "hedgehog_window_64_sinks_4_decay": "hedgehog_window_64_sinks_4_decay",
+    "long_recipe": (
+        "hedgehog_window_64_sinks_4_decay",
+        dict(dataset="pydoc+generated", block_size=2048, finetune_steps=150),
+    ),
 }
 POINTS = ("converted", "transfer", "finetune")
 POINT_LABELS = {"converted": "after conversion", "transfer": "after transfer", "finetune": "after LoRA"}
@@ -106,16 +114,19 @@ def long_context_settings(args: argparse.Namespace) -> LongContextSettings | Non
     )
 
 
-def _settings(args: argparse.Namespace, preset: str, output_dir: str) -> FinetuneConfig:
+def _settings(args: argparse.Namespace, preset: str, output_dir: str, row_settings: dict | None = None):
+    """The run of one row: the command line's settings, then the row's own (held-out blocks keep
+    --block-size, so every row is scored on the same blocks)."""
     overrides = {
         name: getattr(args, name) for name in ("transfer_steps", "finetune_steps") if getattr(args, name) is not None
     }
-    return FinetuneConfig(
+    settings = dict(
         output_dir=output_dir,
         model=args.model,
         attention=preset,
         dataset=args.dataset,
         block_size=args.block_size,
+        eval_block_size=args.block_size,
         batch_size=args.batch_size,
         eval_batch_size=1,
         max_eval_blocks=args.eval_blocks,
@@ -124,6 +135,13 @@ def _settings(args: argparse.Namespace, preset: str, output_dir: str) -> Finetun
         progress=True,
         **overrides,
     )
+    return FinetuneConfig(**{**settings, **(row_settings or {})})
+
+
+def row_recipe(name: str) -> tuple[str | None, dict]:
+    """(preset or None, the row's own settings) of row `name`."""
+    row = ROWS[name]
+    return row if isinstance(row, tuple) else (row, {})
 
 
 def _sample(model, tokenizer, tokens: int) -> str:
@@ -134,9 +152,10 @@ def _sample(model, tokenizer, tokens: int) -> str:
     )
 
 
-def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Path, long_eval=None) -> dict:
+def run_row(args: argparse.Namespace, name: str, workdir: Path, long_eval=None) -> dict:
     """Train one row (or, for "base" and "window_only", only measure it); returns its record.
     `long_eval`: (settings, texts) of the long-context evaluation of the row's final model, or None."""
+    preset, row_settings = row_recipe(name)
     if preset is None or name == "window_only":
         config = _settings(args, preset or "hedgehog_window_64", str(workdir / name))
         finetuner = Finetuner(config)
@@ -152,7 +171,7 @@ def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Pa
             "long_context": _long_context(model, finetuner.tokenizer, long_eval),
         }
     start = time.perf_counter()
-    finetuner = Finetuner(_settings(args, preset, str(workdir / name)))
+    finetuner = Finetuner(_settings(args, preset, str(workdir / name), row_settings))
     result = finetuner.run()
     evaluations = result.evaluations
     points = {point: evaluations[point] for point in POINTS if point in evaluations}
@@ -161,6 +180,7 @@ def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Pa
     return {
         "row": name,
         "attention": preset,
+        "settings": row_settings,
         "base": evaluations.get("base"),
         "points": points,
         "seconds": round(time.perf_counter() - start, 1),
@@ -201,6 +221,11 @@ def _cell(point: dict | None) -> str:
     return f"{point['perplexity']:,.1f}{cost}"
 
 
+def _settings_note(record: dict) -> str:
+    settings = record.get("settings") or {}
+    return "".join(f"<br>{name} {value}" for name, value in settings.items())
+
+
 def table(records: list[dict], args: argparse.Namespace) -> str:
     base = next((r["points"]["converted"] for r in records if r["row"] == "base"), None)
     scored = base["eval_tokens"] if base else records[0]["points"]["converted"]["eval_tokens"]
@@ -220,7 +245,8 @@ def table(records: list[dict], args: argparse.Namespace) -> str:
         mse_cell = f"{mse['before']:.3g} -> {mse['after']:.3g}" if mse and "after" in mse else "-"
         cells = [_cell(points.get(point)) for point in POINTS]
         lines.append(
-            f"| {record['row']} | `{record['attention']}` | {' | '.join(cells)} | {ratio} | {mse_cell} | "
+            f"| {record['row']} | `{record['attention']}`{_settings_note(record)} | {' | '.join(cells)} | {ratio} | "
+            f"{mse_cell} | "
             f"{record['sample'][:90]} |"
         )
     return "\n".join(lines)
@@ -264,7 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = json.loads(saved.read_text()) if args.append and saved.exists() else []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.rows:
-            records.append(run_row(args, name, ROWS[name], Path(workdir), long_eval))
+            records.append(run_row(args, name, Path(workdir), long_eval))
             saved.write_text(json.dumps(records, indent=1))
             logger.info("Row %s done: %s", name, json.dumps(records[-1]["points"]))
     markdown = table(records, args)

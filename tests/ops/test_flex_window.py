@@ -160,8 +160,17 @@ def test_sinks_are_scored_exactly(sinks):
     assert not torch.equal(want_lse, window_attention_reference(q, k, v, valid, SCALE, window)[1])
 
 
-def test_attention_runs_the_window_part_in_flex_where_the_backend_allows(monkeypatch):
-    spec = _spec("hedgehog_window_64", 4)
+FLEX_SPECS = {
+    "window": ("hedgehog_window_64", {}),
+    "window-sinks": ("hedgehog_window_64_sinks_4", {"sinks": 2}),
+    "window-sinks-decay": ("hedgehog_window_64_sinks_4_decay", {"sinks": 2}),
+}
+
+
+@pytest.mark.parametrize("preset, overrides", FLEX_SPECS.values(), ids=FLEX_SPECS.keys())
+def test_attention_runs_the_window_part_in_flex_where_the_backend_allows(monkeypatch, preset, overrides):
+    """The flex path of `attention` (window, sinks, decayed finite state) against the float64 parallel form."""
+    spec = quiet_preset(preset, window=4, chunk_size=8, **overrides)
     monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cpu",))
     calls = []
     monkeypatch.setattr(
@@ -172,15 +181,20 @@ def test_attention_runs_the_window_part_in_flex_where_the_backend_allows(monkeyp
     q, k, v = _inputs(torch.float64)
     mask = left_padding_mask(2, LENGTH, PADS)
     params = make_params(spec, HEADS, KV_HEADS, HEAD_DIM)
-    want, _ = attention(q, k, v, spec, mode="parallel", attention_mask=mask, params=as_params(params))
+    log_decay = torch.nn.functional.logsigmoid(torch.randn(2, KV_HEADS, LENGTH, dtype=torch.float64) + 2)
+    gates = {"decay": log_decay} if spec.decay else {}
+    want, _ = attention(q, k, v, spec, mode="parallel", attention_mask=mask, params=as_params(params), gates=gates)
     float_params = as_params({key: x.float() for key, x in params.items()})
     with torch.no_grad():
         got, state = attention(
             q.float(), k.float(), v.float(), spec, mode="chunked", attention_mask=mask, params=float_params,
-            return_state=False,
+            return_state=False, gates={name: x.float() for name, x in gates.items()},
         )  # fmt: skip
-        assert state is None and calls == [{"compiled": False}]
-        attention(q.float(), k.float(), v.float(), spec, mode="chunked", attention_mask=mask, params=float_params)
+        assert state is None and calls == [{"sinks": spec.sinks or 0, "compiled": False}]
+        attention(
+            q.float(), k.float(), v.float(), spec, mode="chunked", attention_mask=mask, params=float_params,
+            gates={name: x.float() for name, x in gates.items()},
+        )  # fmt: skip
     assert len(calls) == 1  # a call that hands its state on keeps the banded form
     rows = mask.bool()[:, None, :, None]
     torch.testing.assert_close(got.double() * rows, want * rows, rtol=1e-4, atol=1e-5)

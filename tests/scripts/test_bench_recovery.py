@@ -147,3 +147,18 @@ def test_quick_recovery_lowers_layer_mse_and_heldout_loss(pretrained_tiny_llama,
     assert [b["tokens"] for b in hedgehog["long_context"]["positions"]["buckets"]] == [30, 96]
     assert "| linear_hedgehog | " in table.split("Perplexity by position")[1]
     assert (tmp_path / "long_context.png").stat().st_size > 10_000
+
+
+def test_row_settings_override_the_command_line_but_not_the_heldout_blocks(tmp_path):
+    """Every row builds a valid run; a row's own settings win, and held-out blocks keep --block-size."""
+    script = _load_script()
+    args = script.parse_args(["--block-size", "512", "--finetune-steps", "40"])
+    for name in script.ROWS:
+        preset, row_settings = script.row_recipe(name)
+        config = script._settings(args, preset or "hedgehog_window_64", str(tmp_path / name), row_settings)
+        assert config.heldout_block_size == 512
+        assert config.block_size == row_settings.get("block_size", 512)
+        assert config.finetune_steps == row_settings.get("finetune_steps", 40)
+    preset, row_settings = script.row_recipe("long_recipe")
+    long_recipe = script._settings(args, preset, str(tmp_path / "x"), row_settings)
+    assert long_recipe.dataset_sources == ["pydoc", "generated"] and long_recipe.attention_spec.decay
