@@ -87,6 +87,14 @@ class AttentionSpec:
             are scored with the exact exp(q.k), older ones with the finite-state kernel, under one
             normaliser (finite-state kernels and row-scale-invariant normalisers only); None = no
             window. Decoding keeps the W keys and values beside the recurrent state.
+        sinks: S attention sinks: the first S visible (non-padding) positions are also scored with
+            the exact exp(q.k), under the window's normaliser and row shift, and never enter the
+            finite state (a key both in the window and a sink counts once); needs a `window`;
+            None = no sinks. Decoding keeps the S keys and values beside the window's.
+        decay: a data-dependent forget gate on the finite-state part: the state is multiplied by
+            a_t = sigmoid(w_h . x_t + b_h) in (0, 1) per position and KV head before the key that
+            enters at t is added (with a window, a key enters when it leaves the window). The
+            layer computes log a_t and passes it as gates["decay"]. See docs/sinks_and_decay.md.
     """
 
     kind: str = "softmax"
@@ -102,6 +110,8 @@ class AttentionSpec:
     hedgehog_dim: int | None = None
     norm_eps: float = 1e-6
     window: int | None = None
+    sinks: int | None = None
+    decay: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -191,6 +201,14 @@ class AttentionSpec:
             )
         if self.window is not None:
             self._validate_window()
+        if self.sinks is not None:
+            self._validate_sinks()
+        if self.decay and not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.decay=True is not allowed with {self.describe()}: the forget gate decays the finite "
+                "recurrent state, which this spec does not have; expected decay=False, or a finite-state spec "
+                "(kind='linear', or kind='recurrent_softmax' with a taylor_order, and no score_clamp)"
+            )
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
@@ -225,6 +243,16 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; "
                 "expected None"
+            )
+
+    def _validate_sinks(self) -> None:
+        if self.sinks < 1:
+            raise ValueError(f"AttentionSpec.sinks={self.sinks!r} is not allowed; expected None or an int >= 1")
+        if self.window is None or not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.sinks={self.sinks} is not allowed with {self.describe()}: sinks are positions kept "
+                "exact beside a sliding window of a finite-state spec; expected sinks=None, or set window "
+                "(kind='linear', or kind='recurrent_softmax' with a taylor_order)"
             )
 
     # ------------------------------------------------------------------ derived facts
@@ -268,9 +296,9 @@ class AttentionSpec:
         return head_dim
 
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
-        """Bytes of the recurrent state of one KV head: S and z, plus the window's keys and values."""
+        """Bytes of the recurrent state of one KV head: S and z, plus the window's and the sinks' keys and values."""
         value_dim = head_dim if value_dim is None else value_dim
-        window = (self.window or 0) * (head_dim + value_dim + 1)
+        window = ((self.window or 0) + (self.sinks or 0)) * (head_dim + value_dim + 1)
         return (self.feature_dim(head_dim) * (value_dim + 1) + window) * bytes_per_element
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
@@ -321,7 +349,12 @@ class AttentionSpec:
         if self.output_gate:
             parts.append(f"output gate ({self.output_gate_position.replace('_', ' ')})")
         if self.window is not None:
-            parts.insert(1, f"exact exp over the last {self.window} positions")
+            exact = f"exact exp over the last {self.window} positions"
+            if self.sinks is not None:
+                exact += f" and the first {self.sinks}"
+            parts.insert(1, exact)
+        if self.decay:
+            parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -374,6 +407,8 @@ _FIELD_TYPES = (
     ("hedgehog_dim", _OPTIONAL_INT, "None or an int"),
     ("norm_eps", _NUMBER, "a number"),
     ("window", _OPTIONAL_INT, "None or an int"),
+    ("sinks", _OPTIONAL_INT, "None or an int"),
+    ("decay", (bool,), "true or false"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -518,6 +553,19 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "taylor_2_l2_window_64": (
         "exp over the last 64 positions, order-2 Taylor exp beyond, L2 norm in place of the denominator",
         dict(kind=_RS, taylor_order=2, window=64, normalizer="l2"),
+    ),
+    "hedgehog_window_64_sinks_4": (
+        "exact softmax over the first 4 and the last 64 positions, hedgehog linear attention between, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4),
+    ),
+    "taylor_2_window_64_sinks_4": (
+        "exact softmax over the first 4 and the last 64 positions, order-2 Taylor exp between, one denominator",
+        dict(kind=_RS, taylor_order=2, window=64, sinks=4),
+    ),
+    "hedgehog_window_64_sinks_4_decay": (
+        "exact softmax over the first 4 and the last 64 positions, hedgehog linear attention between with a "
+        "data-dependent decay of its state, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True),
     ),
 }
 

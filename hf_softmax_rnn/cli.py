@@ -28,6 +28,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "hf_softmax_rnn.commands.finetune",
         "attention transfer and LoRA/full fine-tuning of a converted model",
     ),
+    "evaluate": (
+        "hf_softmax_rnn.commands.evaluate",
+        "perplexity by position and passkey retrieval of a model beside its original, on long texts",
+    ),
     "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),
     "taylor-terms": (
         "hf_softmax_rnn.analysis.taylor_terms",

@@ -81,16 +81,19 @@ def softmax_rnn_model_card(
     """Render the card of a converted model.
 
     Args:
-        layer_specs: the attention spec of every layer, in order; head_dim: the attention head size
-            (whether a layer's state fits a constant-size recurrent cache depends on it).
-        base_model / base_model_on_hub: the checkpoint converted; a Hub id goes to the metadata.
+        layer_specs: the attention spec of every layer, in order.
+        head_dim: the attention head size (whether a layer's state fits a constant-size
+            recurrent cache depends on it).
+        base_model: the checkpoint converted.
+        base_model_on_hub: `base_model` is a Hub id, which goes to the metadata.
         repo_id: where the model is loaded from in the card's snippets (Hub repo or folder).
         evaluations: point of the run ("base", "converted", "transfer", "finetune", or any
             other name) -> {"perplexity", "eval_loss"}; the last one goes to model-index.
         evaluation_text: how the perplexities were measured (one sentence).
         stages: one mapping per training stage: name, steps, learning_rate, trains, tokens.
-        dataset / dataset_on_hub / dataset_text: the training data, its Hub id for the
-            metadata, and how the card names it.
+        dataset: the training data.
+        dataset_on_hub: `dataset` is a Hub id, which goes to the metadata.
+        dataset_text: how the card names the data.
         has_adapter: the repo also holds `adapter/` (LoRA) and `adapter_base/`.
     """
     evaluations = dict(evaluations or {})

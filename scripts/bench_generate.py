@@ -289,7 +289,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main() -> None:
     args = parse_args()
-    try:  # what this machine has, apart from parse_args (which checks the README's GPU commands anywhere)
+    try:  # what this machine has, apart from parse_args (which checks the documentation's GPU commands anywhere)
         resolve_device(args.device)
     except UserInputError as error:
         print(f"bench_generate.py: error: {error}", file=sys.stderr)

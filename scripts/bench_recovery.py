@@ -4,13 +4,20 @@ For every row: convert the model, then run `hf-softmax-rnn finetune` (the librar
 with the recipe's defaults: teacher-forced attention transfer, then LoRA distilled from the
 unconverted model. Held-out perplexity on long blocks (1,024 tokens by default) is measured
 before conversion, right after it, after transfer and after LoRA, with the training tokens and
-wall time of each stage beside it, and one greedy sample per row.
+wall time of each stage beside it, and one greedy sample per row. Each row's final model is also
+measured on long texts of another kind (`hf_softmax_rnn.long_context`): perplexity per position
+bucket beside the base row, and passkey retrieval per length, with tokens and wall time.
 
     python scripts/bench_recovery.py                                   # every row, the embedded SmolLM2
     python scripts/bench_recovery.py --rows hedgehog_window_64 --transfer-steps 60 --finetune-steps 150
     python scripts/bench_recovery.py --model tiny/ --block-size 32 --eval-blocks 4 --output out/  # a quick check
+    python scripts/bench_recovery.py --quick-long-eval      # long-context columns up to 4,096 tokens only
 
-Writes `recovery.md`, `recovery.json` and `recovery.png` into `--output` (docs/figures/recovery).
+Writes `recovery.md`, `recovery.json`, `recovery.png` and `long_context.png` into `--output`
+(docs/figures/recovery). The long-context evaluation at its defaults (2 documents of 8,192 tokens,
+passkey at 1-8k with 2 trials per depth: 150k prompt tokens) is long on a CPU: SmolLM2-135M read
+8,192 tokens of buckets in 4 minutes and 30k passkey prompt tokens in 17 minutes on 2 busy cores.
+`--quick-long-eval` (4,096 tokens, passkey at 1k and 2k with 1 trial) costs about 12 minutes per row.
 """
 
 from __future__ import annotations
@@ -25,15 +32,22 @@ from pathlib import Path
 
 import torch
 
+from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
+from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+from hf_softmax_rnn.long_context.positions import buckets_from_edges
+from hf_softmax_rnn.long_context.report import QUICK_BUCKETS, QUICK_LENGTHS, LongContextSettings, comparison_tables
+from hf_softmax_rnn.long_context.report import plot_positions as plot_long_context
 from hf_softmax_rnn.training import FinetuneConfig
 from hf_softmax_rnn.training.trainer import Finetuner
 
 logger = logging.getLogger("bench_recovery")
 
-#: Rows: name -> attention preset (None: the model as it is). "window_only" is the floor any
-#: hybrid must beat: exact softmax over the last 64 positions and nothing beyond.
-ROWS = {
+#: Rows: name -> attention preset (None: the model as it is), or (preset, settings that differ from the
+#: command line's). "window_only" is the floor any hybrid must beat: exact softmax over the last 64
+#: positions and nothing beyond. The last row is a recipe for long contexts: sinks, decay, the model's own
+#: text beside the corpus, and blocks of 2,048 tokens (half the steps: the same training tokens).
+ROWS: dict[str, str | None | tuple[str, dict]] = {
     "base": None,
     "window_only": "hedgehog_window_64",
     "linear_elu": "linear_elu",
@@ -43,6 +57,12 @@ ROWS = {
     "taylor_2_window_64": "taylor_2_window_64",
     "hedgehog_window_64_l2": "hedgehog_window_64_l2",
     "gated_softmax_no_gate_L2norm_nodivS_noclamp": "gated_softmax_no_gate_L2norm_nodivS_noclamp",
+    "hedgehog_window_64_sinks_4": "hedgehog_window_64_sinks_4",
+    "hedgehog_window_64_sinks_4_decay": "hedgehog_window_64_sinks_4_decay",
+    "long_recipe": (
+        "hedgehog_window_64_sinks_4_decay",
+        dict(dataset="pydoc+generated", block_size=2048, finetune_steps=150),
+    ),
 }
 POINTS = ("converted", "transfer", "finetune")
 POINT_LABELS = {"converted": "after conversion", "transfer": "after transfer", "finetune": "after LoRA"}
@@ -62,19 +82,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-tokens", type=int, default=24, help="greedy tokens sampled per row")
     parser.add_argument("--output", default="docs/figures/recovery", help="folder for recovery.md/.json/.png")
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --output")
+    long = parser.add_argument_group("long-context evaluation of each row's final model")
+    long.add_argument("--no-long-eval", dest="long_eval", action="store_false", help="skip it")
+    long.add_argument("--long-texts", default=DEFAULT_EVAL_TEXTS, help="texts (see `hf-softmax-rnn evaluate --texts`)")
+    long.add_argument(
+        "--long-positions", type=int, nargs="+", default=[0, 64, 256, 1024, 2048, 4096, 8192], help="bucket edges"
+    )
+    long.add_argument("--long-sequences", type=int, default=2, help="documents scored from their start")
+    long.add_argument(
+        "--passkey", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="passkey lengths (0: none)"
+    )
+    long.add_argument("--passkey-trials", type=int, default=2, help="passkey prompts per length and depth")
+    long.add_argument(
+        "--quick-long-eval",
+        action="store_true",
+        help="buckets up to 4,096, passkey at 1,024 and 2,048 with 1 trial (overrides the three flags above)",
+    )
     return parser.parse_args(argv)
 
 
-def _settings(args: argparse.Namespace, preset: str, output_dir: str) -> FinetuneConfig:
+def long_context_settings(args: argparse.Namespace) -> LongContextSettings | None:
+    if not args.long_eval:
+        return None
+    if args.quick_long_eval:
+        return LongContextSettings(buckets=QUICK_BUCKETS, sequences=args.long_sequences, passkey_lengths=QUICK_LENGTHS)
+    return LongContextSettings(
+        buckets=buckets_from_edges(args.long_positions),
+        sequences=args.long_sequences,
+        passkey_lengths=tuple(length for length in args.passkey if length != 0),
+        trials=args.passkey_trials,
+    )
+
+
+def _settings(args: argparse.Namespace, preset: str, output_dir: str, row_settings: dict | None = None):
+    """The run of one row: the command line's settings, then the row's own (held-out blocks keep
+    --block-size, so every row is scored on the same blocks)."""
     overrides = {
         name: getattr(args, name) for name in ("transfer_steps", "finetune_steps") if getattr(args, name) is not None
     }
-    return FinetuneConfig(
+    settings = dict(
         output_dir=output_dir,
         model=args.model,
         attention=preset,
         dataset=args.dataset,
         block_size=args.block_size,
+        eval_block_size=args.block_size,
         batch_size=args.batch_size,
         eval_batch_size=1,
         max_eval_blocks=args.eval_blocks,
@@ -83,6 +135,13 @@ def _settings(args: argparse.Namespace, preset: str, output_dir: str) -> Finetun
         progress=True,
         **overrides,
     )
+    return FinetuneConfig(**{**settings, **(row_settings or {})})
+
+
+def row_recipe(name: str) -> tuple[str | None, dict]:
+    """(preset or None, the row's own settings) of row `name`."""
+    row = ROWS[name]
+    return row if isinstance(row, tuple) else (row, {})
 
 
 def _sample(model, tokenizer, tokens: int) -> str:
@@ -93,8 +152,10 @@ def _sample(model, tokenizer, tokens: int) -> str:
     )
 
 
-def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Path) -> dict:
-    """Train one row (or, for "base" and "window_only", only measure it); returns its record."""
+def run_row(args: argparse.Namespace, name: str, workdir: Path, long_eval=None) -> dict:
+    """Train one row (or, for "base" and "window_only", only measure it); returns its record.
+    `long_eval`: (settings, texts) of the long-context evaluation of the row's final model, or None."""
+    preset, row_settings = row_recipe(name)
     if preset is None or name == "window_only":
         config = _settings(args, preset or "hedgehog_window_64", str(workdir / name))
         finetuner = Finetuner(config)
@@ -107,9 +168,10 @@ def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Pa
             "points": {"converted": {**evaluation, "train_tokens": 0, "stage_seconds": 0.0}},
             "seconds": round(time.perf_counter() - start, 1),
             "sample": _sample(model, finetuner.tokenizer, args.sample_tokens),
+            "long_context": _long_context(model, finetuner.tokenizer, long_eval),
         }
     start = time.perf_counter()
-    finetuner = Finetuner(_settings(args, preset, str(workdir / name)))
+    finetuner = Finetuner(_settings(args, preset, str(workdir / name), row_settings))
     result = finetuner.run()
     evaluations = result.evaluations
     points = {point: evaluations[point] for point in POINTS if point in evaluations}
@@ -118,12 +180,21 @@ def run_row(args: argparse.Namespace, name: str, preset: str | None, workdir: Pa
     return {
         "row": name,
         "attention": preset,
+        "settings": row_settings,
         "base": evaluations.get("base"),
         "points": points,
         "seconds": round(time.perf_counter() - start, 1),
         "sample": _sample(result.model, result.tokenizer, args.sample_tokens),
         "layer_mse": _layer_mse(result.output_dir),
+        "long_context": _long_context(result.model, result.tokenizer, long_eval),
     }
+
+
+def _long_context(model, tokenizer, long_eval) -> dict | None:
+    if long_eval is None:
+        return None
+    settings, texts = long_eval
+    return settings.evaluate(model, tokenizer, texts)
 
 
 def _window_only(model):
@@ -150,6 +221,11 @@ def _cell(point: dict | None) -> str:
     return f"{point['perplexity']:,.1f}{cost}"
 
 
+def _settings_note(record: dict) -> str:
+    settings = record.get("settings") or {}
+    return "".join(f"<br>{name} {value}" for name, value in settings.items())
+
+
 def table(records: list[dict], args: argparse.Namespace) -> str:
     base = next((r["points"]["converted"] for r in records if r["row"] == "base"), None)
     scored = base["eval_tokens"] if base else records[0]["points"]["converted"]["eval_tokens"]
@@ -169,7 +245,8 @@ def table(records: list[dict], args: argparse.Namespace) -> str:
         mse_cell = f"{mse['before']:.3g} -> {mse['after']:.3g}" if mse and "after" in mse else "-"
         cells = [_cell(points.get(point)) for point in POINTS]
         lines.append(
-            f"| {record['row']} | `{record['attention']}` | {' | '.join(cells)} | {ratio} | {mse_cell} | "
+            f"| {record['row']} | `{record['attention']}`{_settings_note(record)} | {' | '.join(cells)} | {ratio} | "
+            f"{mse_cell} | "
             f"{record['sample'][:90]} |"
         )
     return "\n".join(lines)
@@ -203,14 +280,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
+    settings = long_context_settings(args)
+    long_eval = None
+    if settings is not None:  # checked on the model and texts before any row runs
+        texts = load_eval_texts(args.long_texts)
+        settings.check(*resolve_model(args.model), texts)
+        long_eval = (settings, texts)
     saved = output / "recovery.json"
     records = json.loads(saved.read_text()) if args.append and saved.exists() else []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.rows:
-            records.append(run_row(args, name, ROWS[name], Path(workdir)))
+            records.append(run_row(args, name, Path(workdir), long_eval))
             saved.write_text(json.dumps(records, indent=1))
             logger.info("Row %s done: %s", name, json.dumps(records[-1]["points"]))
     markdown = table(records, args)
+    measured = {record["row"]: record["long_context"] for record in records if record.get("long_context")}
+    if measured:
+        reference = "base" if "base" in measured else next(iter(measured))
+        markdown += f"\n\nOn {args.long_texts}, each row's final model:\n\n" + comparison_tables(measured, reference)
+        plot_long_context(measured, reference, output / "long_context.png", title=f"recovery rows on {args.long_texts}")
     (output / "recovery.md").write_text(markdown + "\n")
     plot(records, output / "recovery.png")
     print(markdown)

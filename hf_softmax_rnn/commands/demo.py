@@ -50,8 +50,7 @@ FINETUNE_HINT = (
     "Of the presets only 'softmax' is the pretrained model unchanged; the others are converted with no training. "
     "`hf-softmax-rnn finetune` trains them; its default, hedgehog_window_64 (exact softmax over the last 64 "
     "positions, a learned feature map beyond), came back to 1.20x the original perplexity on 1,024-token windows "
-    "of SmolLM2-135M with its default 300 distillation steps (43 min on 2 CPU cores; the README's fine-tuning "
-    "section)."
+    "of SmolLM2-135M with its default 300 distillation steps (43 min on 2 CPU cores; docs/finetuning.md)."
 )
 
 

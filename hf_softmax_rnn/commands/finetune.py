@@ -3,6 +3,7 @@ fine-tuning, with Accelerate.
 
     hf-softmax-rnn finetune --output-dir out/hybrid     # hedgehog_window_64, the recipe that recovers
     hf-softmax-rnn finetune --output-dir out/l2 --attention gated_softmax_no_gate_L2norm_nodivS_noclamp
+    hf-softmax-rnn finetune --output-dir out/hybrid --long-eval   # + perplexity by position, passkey
 
 Several processes (GPUs, or gloo on CPU):
 
@@ -22,6 +23,7 @@ import logging
 
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, FinetuneConfig
+from hf_softmax_rnn.training.long_context_run import long_context_report
 from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,13 @@ def summary(result) -> str:
             logger.warning(
                 "The model after %r has %.2fx the held-out perplexity of the unconverted model (%.4g against "
                 "%.4g): it has not recovered. Train longer, or use a recipe that recovers (--attention %s; see "
-                "the README's recovery benchmark).",
+                "docs/finetuning.md).",
                 last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
                 DEFAULT_ATTENTION,
             )  # fmt: skip
     lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in evaluations.items()}))
+    if getattr(result, "long_context", None):
+        lines += ["", long_context_report(result.long_context)]
     return "\n".join(lines)
 
 

@@ -1,1 +1,1 @@
-"""Data: the offline English corpus, user datasets, packing, and the MQAR task."""
+"""Data: the offline English corpus, user datasets, packing, long evaluation texts, and the MQAR task."""

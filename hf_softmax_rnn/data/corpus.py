@@ -1,5 +1,9 @@
 """Text corpora: the offline default (Python's own documentation), Hub datasets and local files.
 
+Several sources join with "+" (`load_sources`): e.g. "pydoc+generated" trains on Python's
+documentation and on text the model writes itself (`data.generated`), and holds out the
+first source's test split.
+
 Every machine with Python has `pydoc_data.topics`: about 465k characters of English prose
 about Python in 79 topics. Topics are split deterministically (every `test_every`-th
 sorted topic is held out), so train and test never share a document.
@@ -12,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets, load_dataset
 from datasets.exceptions import DatasetsError
 
 from hf_softmax_rnn.errors import UserInputError
@@ -34,6 +38,30 @@ def pydoc_corpus(test_every: int = 10) -> DatasetDict:
     for index, (_, text) in enumerate(topics):
         split["test" if index % test_every == test_every - 1 else "train"].append(text.strip())
     return DatasetDict({name: Dataset.from_dict({"text": texts}) for name, texts in split.items()})
+
+
+SOURCE_SEPARATOR = "+"
+
+
+def source_names(dataset: str | None) -> list[str]:
+    """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two)."""
+    names = [name.strip() for name in (dataset or DEFAULT_CORPUS).split(SOURCE_SEPARATOR)]
+    if not all(names) or len(set(names)) != len(names):
+        raise UserInputError(
+            f"dataset={dataset!r} is not allowed; expected sources joined by {SOURCE_SEPARATOR!r}, each named once "
+            "(e.g. 'pydoc+generated')"
+        )
+    return names
+
+
+def join_corpora(parts: list[DatasetDict]) -> DatasetDict:
+    """Train splits concatenated (shuffled later by the block reader); the first part's test split."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(isinstance(part["train"], IterableDataset) for part in parts):
+        raise UserInputError("A streamed dataset cannot be joined with other sources; pass it alone")
+    train = concatenate_datasets([part["train"].select_columns(["text"]) for part in parts])
+    return DatasetDict({"train": train, "test": parts[0]["test"]})
 
 
 def load_corpus(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -44,6 +45,26 @@ logger = logging.getLogger(__name__)
 
 #: Gate bias at initialisation: sigmoid(5) = 0.993, so a gate starts (almost) open.
 GATE_BIAS_INIT = 5.0
+#: Half-lives (in positions) of the finite state at initialisation, shortest and longest: KV head j of
+#: Hkv starts at the j-th of Hkv half-lives spaced geometrically between them (one head: their geometric
+#: mean). Training blocks are 1,024 to 2,048 positions, so what a layer does further back is mostly set
+#: here: a spread bounds the state's mass at any length and lets distillation choose between heads.
+DECAY_HALF_LIFE_RANGE = (512.0, 16384.0)
+
+
+def decay_half_lives(num_kv_heads: int) -> torch.Tensor:
+    """`[Hkv]` initial half-lives, geometric over `DECAY_HALF_LIFE_RANGE`."""
+    shortest, longest = (math.log(x) for x in DECAY_HALF_LIFE_RANGE)
+    if num_kv_heads == 1:
+        return torch.tensor([math.exp((shortest + longest) / 2)])
+    return torch.exp(torch.linspace(shortest, longest, num_kv_heads, dtype=torch.float64)).float()
+
+
+def decay_bias(half_lives: torch.Tensor) -> torch.Tensor:
+    """The bias b with sigmoid(b) = a = 2^(-1 / half-life): logit(a) = -log(2^(1/h) - 1)."""
+    return -torch.log(torch.expm1(math.log(2.0) / half_lives.double())).float()
+
+
 #: Initial logit p_h of the seqlen_pow normaliser (values divided by t^sigmoid(p_h)).
 SEQLEN_POWER_INIT = 0.5
 
@@ -67,6 +88,8 @@ class RNNParams(nn.Module):
     - `seqlen_power` `[H]`: logit of the exponent of the seqlen_pow normaliser.
     - `hedgehog_q` `[H, D, F]`, `hedgehog_k` `[Hkv, D, F]`: hedgehog feature maps.
     - `linear_log_scale` `[H]`: with a sliding window, the log weight of the finite-state part.
+    - `decay_proj`: Linear(hidden, Hkv), logsigmoid -> the log-decay of the finite state per position
+      and KV head (`spec.decay`; not named `*gate_proj`, which PEFT would match in the MLP).
 
     Initialisation (`reset_parameters`, also what `convert` gives a pretrained model):
     gate weights 0 and bias `GATE_BIAS_INIT`, so each gate is the constant 0.993 until
@@ -74,13 +97,16 @@ class RNNParams(nn.Module):
     and bias 0 (the plain normaliser); seqlen power `SEQLEN_POWER_INIT`; hedgehog maps the
     identity `eye(D, F)` per head, so phi(x) = [softmax(x), softmax(-x)] starts as the
     Hedgehog paper's initialisation, to be fitted to softmax by attention transfer; the
-    window's linear log weight 0 (the finite-state part weighs as the kernel says).
+    window's linear log weight 0 (the finite-state part weighs as the kernel says); the decay
+    weight 0 and the bias of each KV head set by `decay_half_lives`, so each head's state starts with
+    a constant half-life between 512 and 16,384 positions.
     """
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
         super().__init__()
         self.input_gate = nn.Linear(hidden_size, num_kv_heads) if spec.input_gate else None
         self.output_gate = nn.Linear(hidden_size, num_heads) if spec.output_gate else None
+        self.decay_proj = nn.Linear(hidden_size, num_kv_heads) if spec.decay else None
         sizes = {"H": num_heads, "Dv": head_dim}
         self._tensor_names: list[str] = []
         for name, shape in _NORMALIZER_PARAMS.get(spec.normalizer, {}).items():
@@ -102,6 +128,10 @@ class RNNParams(nn.Module):
             if gate is not None:
                 init.zeros_(gate.weight)
                 init.constant_(gate.bias, GATE_BIAS_INIT)
+        if self.decay_proj is not None:
+            init.zeros_(self.decay_proj.weight)
+            bias = decay_bias(decay_half_lives(self.decay_proj.out_features))
+            init.copy_(self.decay_proj.bias, bias.to(self.decay_proj.bias))
         for name in self._tensor_names:
             tensor = getattr(self, name)
             if name.startswith("hedgehog"):
@@ -111,11 +141,15 @@ class RNNParams(nn.Module):
                 init.constant_(tensor, _PARAM_INIT_VALUES[name])
 
     def gates(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Gate values from the layer input `[B, L, hidden]`: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`}."""
+        """Gate values from the layer input `[B, L, hidden]`: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`,
+        "decay": `[B, Hkv, L]` log-decays}."""
         gates = {}
         for name, gate in (("input", self.input_gate), ("output", self.output_gate)):
             if gate is not None:
                 gates[name] = torch.sigmoid(gate(hidden_states)).transpose(1, 2)
+        if self.decay_proj is not None:
+            logits = self.decay_proj(hidden_states)
+            gates["decay"] = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))).transpose(1, 2)
         return gates
 
     def op_params(self) -> AttentionParams:

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, MODES, AttentionSpec
-from hf_softmax_rnn.ops.backends import polynomial_backend
+from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
+from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
+from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
 
@@ -33,6 +35,9 @@ class RecurrentState:
     A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
     `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
     zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
+    Attention sinks keep the first S visible positions exactly as well: `sink_keys`
+    `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
+    position (valid once j < t; zero before); `packed` never sums a sink.
     `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
     equality when it is passed back, so that a state of another spec is refused whatever its
     shapes; None for a state built by hand (only its shapes are checked).
@@ -43,6 +48,8 @@ class RecurrentState:
     window_keys: torch.Tensor | None = None
     window_values: torch.Tensor | None = None
     window_valid: torch.Tensor | None = None
+    sink_keys: torch.Tensor | None = None
+    sink_values: torch.Tensor | None = None
     made_by: tuple | None = None
 
     @property
@@ -66,8 +73,9 @@ class RecurrentState:
         window: int | None = None,
         device=None,
         dtype=None,
+        sinks: int | None = None,
     ) -> RecurrentState:
-        """The state before any position (an empty window buffer when `window` is set)."""
+        """The state before any position (empty window and sink buffers when `window`, `sinks` are set)."""
         state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
@@ -76,6 +84,9 @@ class RecurrentState:
             state.window_keys = torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype)
             state.window_values = torch.zeros(batch, kv_heads, window, value_dim + 1, device=device, dtype=dtype)
             state.window_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+        if sinks is not None:
+            state.sink_keys = torch.zeros(batch, kv_heads, sinks, head_dim, device=device, dtype=dtype)
+            state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
         return state
 
     def tensors(self) -> list[torch.Tensor]:
@@ -176,14 +187,30 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, sca
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
-    unknown = sorted(set(gates) - {"output"})
+    unknown = sorted(set(gates) - {"output", "decay"})
     if unknown:
-        raise ValueError(f"attention: unknown gates {unknown}; expected only 'output' (the caller gates v itself)")
+        raise ValueError(
+            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
+        )
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    _check_decay(gates.get("decay"), k, spec)
     if spec.window is not None and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
+        )
+
+
+def _check_decay(log_decay: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
+    if spec.decay != (log_decay is not None):
+        raise ValueError(
+            f"attention: {spec.describe()} has decay={spec.decay}, so it takes gates['decay'] (log-decays "
+            f"[B, Hkv, Lk]) {'and needs them' if spec.decay else 'only with decay=True'}"
+        )
+    if log_decay is not None and tuple(log_decay.shape) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"attention: gates['decay'] has shape {tuple(log_decay.shape)}; expected one log-decay per KV head and "
+            f"key, {list(k.shape[:3])}"
         )
 
 
@@ -218,6 +245,9 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec, tag: tuple
         raise ValueError(
             f"attention: the state holds a window of {found} positions but the spec has window={spec.window}"
         )
+    held_sinks = None if state.sink_keys is None else state.sink_keys.shape[2]
+    if held_sinks != spec.sinks:
+        raise ValueError(f"attention: the state holds {held_sinks} sinks but the spec has sinks={spec.sinks}")
 
 
 def attention(
@@ -240,15 +270,18 @@ def attention(
 
     Args:
         q: `[B, H, L, D]` queries (after RoPE); H a multiple of Hkv.
-        k, v: `[B, Hkv, Lk, D]` keys and values. In parallel mode Lk >= L and the queries are
-            the last L positions (decoding from a KV cache); otherwise Lk == L. With
-            `spec.input_gate` the caller passes the gated values (so that a KV cache holds them).
+        k: `[B, Hkv, Lk, D]` keys. In parallel mode Lk >= L and the queries are the last L
+            positions (decoding from a KV cache); otherwise Lk == L.
+        v: `[B, Hkv, Lk, D]` values. With `spec.input_gate` the caller passes the gated values
+            (so that a KV cache holds them).
         spec: the attention variant (an `AttentionSpec`, a dict of its fields or a preset name).
         mode: "parallel" (masked L x L, every variant), "chunked" or "recurrent" (finite
             state only: linear feature maps or Taylor order N, no score clamp).
         attention_mask: `[B, L_total]` padding mask (1 = token, 0 = padding; left padding
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
-        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate.
+        gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate;
+            {"decay": `[B, Hkv, Lk]`} log-decays <= 0 of the finite state (`ops.decay`), when the spec
+            has a decay (padding positions are set to 0 here: they never decay the state).
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
         params: the learned tensors the spec needs (`AttentionParams`).
         scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
@@ -289,6 +322,9 @@ def attention(
         key_mask = attention_mask[:, -key_len:].bool()
         hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    log_decay = gates.get("decay")
+    if log_decay is not None:
+        log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim), state if mode != "parallel" else None
 
@@ -313,15 +349,34 @@ def attention(
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
         scores, log_shift = parallel_scores(
-            grouped_q, k, key_mask, kernel, spec.window, softmax_scale, params.linear_log_scale
+            grouped_q,
+            k,
+            key_mask,
+            kernel,
+            spec.window,
+            softmax_scale,
+            params.linear_log_scale,
+            spec.sinks,
+            None if log_decay is None else log_decay.to(compute_dtype),
         )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:
+        window_fused = window_backend(
+            q.device.type, out_dtype, spec, mode, needs_state, state is None, head_dim, value_dim
+        )
         if state is None:
             state = RecurrentState.zeros(
-                batch, kv_heads, spec.feature_dim(head_dim), head_dim, value_dim, spec.window, q.device, compute_dtype
+                batch,
+                kv_heads,
+                spec.feature_dim(head_dim),
+                head_dim,
+                value_dim,
+                spec.window,
+                q.device,
+                compute_dtype,
+                sinks=spec.sinks,
             )
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
         augmented, new_state = _finite_state(
@@ -337,6 +392,8 @@ def attention(
             params.linear_log_scale,
             io_dtype=out_dtype,
             in_place=update_state_in_place,
+            log_decay=None if log_decay is None else log_decay.to(compute_dtype),
+            window_fused=window_fused,
         )
         numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
@@ -370,30 +427,41 @@ def _finite_state(
     linear_log_scale: torch.Tensor | None,
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
+    window_fused: str | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
     kernel reads. With a window, the finite-state part reads the keys
-    that leave the window (the buffer first), and the exact part the window itself."""
+    that leave the window (the buffer first), and the exact part the window itself; with sinks,
+    the sinks' values are zeroed on their way into the finite state and the exact part also
+    reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
+    decays the finite state at each new position before the key that enters there is added.
+    With `window_fused` "flex" (an empty buffer and no state wanted back, see `ops.backends`) the
+    exact part, sinks included, runs in FlexAttention."""
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:
-        keys, values = k, augmented_v
+        keys, values, valid = k, augmented_v, key_mask
     else:
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
+        valid = torch.cat([state.window_valid, key_mask], dim=-1)
+    entering = values[..., :length, :]
+    if spec.sinks is not None:
+        is_sink, ranks = sink_positions(valid, state.t, spec.sinks, spec.window)
+        entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, spec.chunk_size, io_dtype
+            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
         )
     else:
         linear, packed = recurrent_linear_attention(
-            q, keys[..., :length, :], values[..., :length, :], packed, kernel, in_place
+            q, keys[..., :length, :], entering, packed, kernel, in_place, log_decay
         )
     if spec.window is None:
         return linear, RecurrentState(packed=packed, t=state.t)
-    valid = torch.cat([state.window_valid, key_mask], dim=-1)
-    exact, row_max = banded_exp_attention(q, keys, values, valid, window_scale, spec.window, spec.chunk_size)
+    window_valid = valid if spec.sinks is None else valid & ~is_sink
     new_state = RecurrentState(
         packed=packed,
         t=state.t,
@@ -401,4 +469,36 @@ def _finite_state(
         window_values=values[..., -spec.window :, :].clone(),
         window_valid=valid[:, -spec.window :].clone(),
     )
+    if window_fused == "flex":
+        exact_and_linear = _flex_window_hybrid(
+            q, k, augmented_v, key_mask, linear, window_scale, spec, linear_log_scale, io_dtype
+        )
+        return exact_and_linear, new_state
+    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
+    if spec.sinks is not None:
+        old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
+        sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
+        new_state.sink_keys, new_state.sink_values = sinks
+        seen = state.t[:, None] + key_mask.long().cumsum(-1)
+        exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
+
+
+def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, spec, log_scale, io_dtype) -> torch.Tensor:
+    """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state, its exact part
+    (window and sinks) in FlexAttention (read in `io_dtype`) and `linear` (`[B, Hkv, G, L, Dv + 1]`)
+    beyond them."""
+    batch, kv_heads, groups, length, head_dim = q.shape
+    io_dtype = io_dtype or q.dtype
+    out, lse = flex_window_attention(
+        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype).contiguous(),
+        k.to(io_dtype).contiguous(),
+        augmented_v[..., :-1].to(io_dtype).contiguous(),  # (rows of Dv + 1 values are misaligned)
+        key_mask,
+        scale,
+        spec.window,
+        sinks=spec.sinks or 0,
+        compiled=q.is_cuda,
+    )
+    combined = combine_window_and_linear(out, lse, linear.reshape(batch, kv_heads * groups, length, -1), log_scale)
+    return combined.view(linear.shape)

@@ -6,10 +6,15 @@ gradients, tested against the float64 references):
 - `"fla"`: chunked linear attention on feature-mapped q and k through flash-linear-attention's
   `chunk_simple_gla` (`pip install hf-softmax-rnn[gpu]`), for feature maps of at most
   `FLA_MAX_FEATURES` features (elu, relu, identity, cosine, hedgehog, Taylor-1) and for the part
-  of the sliding-window hybrids older than the window. It carries the recurrent state, so it
-  serves training, scoring and prefill alike.
-- `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window,
-  when the caller needs no recurrent state (training and scoring without a cache).
+  of the sliding-window hybrids older than the window, with a data-dependent decay as fla's gate
+  `g` where the spec has one. It carries the recurrent state, so it serves training, scoring and
+  prefill alike.
+- `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window or
+  a decay, when the caller needs no recurrent state (training and scoring without a cache).
+- `"flex"`: the exact part of a sliding-window hybrid (window and sinks) through PyTorch's
+  FlexAttention (`ops.flex_window`, compiled; needs triton), when the call starts from an empty
+  state and needs none back (training and scoring without a cache); the part older than the
+  window still runs in fla.
 
 Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
 or `fused_kernels(False)` turns the fused kernels off (for comparisons). Where a fused kernel would
@@ -108,6 +113,8 @@ def polynomial_backend(
         return None
     if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
         return None
+    if spec.decay:  # the Triton kernel has no forget gate; the chunked forms carry it
+        return None
     if spec.score_clamp is not None:
         return None
     if not triton_available():
@@ -116,6 +123,41 @@ def polynomial_backend(
     from hf_softmax_rnn.ops.triton_taylor import supports
 
     return "taylor2" if supports(head_dim, value_dim) else None
+
+
+#: Head and value widths FlexAttention's compiled kernels take (powers of two).
+FLEX_DIMS = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def flex_attention_available() -> bool:
+    """PyTorch has FlexAttention (2.5 and later)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def window_backend(
+    device_type: str,
+    dtype: torch.dtype,
+    spec: AttentionSpec,
+    mode: str,
+    needs_state: bool,
+    fresh_state: bool,
+    head_dim: int,
+    value_dim: int,
+) -> str | None:
+    """ "flex" where the exact window part of a hybrid runs in FlexAttention (`ops.flex_window`), or None."""
+    if spec.window is None or not _fused_device(device_type, dtype) or needs_state or not fresh_state:
+        return None
+    if mode != "chunked" or head_dim not in FLEX_DIMS or value_dim not in FLEX_DIMS:
+        return None
+    if not triton_available():
+        _warn_missing("triton", "the window part of sliding-window hybrids")
+        return None
+    return "flex" if flex_attention_available() else None
 
 
 @functools.cache

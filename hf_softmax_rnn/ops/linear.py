@@ -18,6 +18,10 @@ state `[B, Hkv, F, Dv + 1]`.
   most 256 features to flash-linear-attention's kernel (`ops.fla_linear`, `ops.backends`).
 - `recurrent_linear_attention`: one position at a time; the slow, obviously-correct form
   that decoding uses (L = 1) and the tests compare against.
+
+Both take optional per-position log-decays `[B, Hkv, L]` (a data-dependent forget gate, see
+`ops.decay`): the state is multiplied by their exp before each position's key enters. The chunked
+form then runs fla's gated kernel on a GPU and `ops.decay` elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from hf_softmax_rnn.ops.backends import fla_linear_function
 from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
+from hf_softmax_rnn.ops.decay import chunked_decayed_linear_attention
 from hf_softmax_rnn.ops.fla_linear import fla_chunked_linear_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import FeatureKernel
@@ -119,13 +124,17 @@ def chunked_linear_attention(
     kernel: FeatureKernel,
     chunk_size: int,
     io_dtype: torch.dtype | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
-    `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's)."""
+    `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's); `log_decay`
+    `[B, Hkv, L]`: the decay of the state at each position (None = no decay)."""
     io_dtype = io_dtype or q.dtype
     chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
-        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype, chunk_function)
+        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype, chunk_function, log_decay)
+    if log_decay is not None:
+        return chunked_decayed_linear_attention(q, k, v, log_decay, state, kernel, chunk_size)
     if kernel.hand_written and not torch.compiler.is_compiling():  # its preallocated out= buffers do not trace
         return chunked_kernel_attention(q, k, v, state, kernel, chunk_size)
     return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)
@@ -150,15 +159,20 @@ def recurrent_linear_attention(
     state: torch.Tensor,
     kernel: FeatureKernel,
     in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """S'_t = S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time.
-    `in_place`: add to `state` itself (decoding without autograd: one read and one write of the
+    """S'_t = a_t S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time, with
+    a_t = exp(`log_decay` `[B, Hkv, L]`) or 1 without it.
+    `in_place`: update `state` itself (decoding without autograd: one read and one write of the
     state per step instead of a new tensor that a cache then copies back)."""
     phi_q = kernel.query_features(q)
     phi_k = kernel.key_features(k)
     outputs = []
     for t in range(q.shape[-2]):
         update = phi_k[..., t, :, None] @ v[..., t, None, :]
+        if log_decay is not None:
+            factor = log_decay[..., t, None, None].exp()
+            state = state.mul_(factor) if in_place else state * factor
         state = state.add_(update) if in_place else state + update
         outputs.append(phi_q[..., t, :] @ state)
     return torch.stack(outputs, dim=-2), state

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from hf_softmax_rnn.ops.decay import decay_weights
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
+from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
 
@@ -36,19 +38,31 @@ def parallel_scores(
     window: int | None = None,
     window_scale: float | None = None,
     linear_log_scale: torch.Tensor | None = None,
+    sinks: int | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
     log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None).
 
     With a `window`, the last `window` positions are scored with exp(`window_scale` q.k) and
     older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
-    row's largest window score; see `ops.window`).
+    row's largest window score; see `ops.window`). With `sinks`, the first `sinks` visible
+    positions are scored like the window (once, when they are in it too) and are never older.
+    With `log_decay` `[B, Hkv, Lk]`, the finite-state scores are multiplied by the decay since the
+    key entered the state (`ops.decay.decay_weights`).
     """
     visible = visible_mask(key_mask, q.shape[-2])
     if window is None:
-        return kernel.masked_scores(q, k, visible)
+        scores, log_shift = kernel.masked_scores(q, k, visible)
+        if log_decay is not None:
+            scores = scores * decay_weights(log_decay, q.shape[-2], 0)
+        return scores, log_shift
     near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
+    if sinks is not None:
+        near = near | (visible & sink_mask(key_mask, sinks)[:, None, None, None, :])
     x = (window_scale * grouped_matmul(q, k.mT)).masked_fill(~near, float("-inf"))
     row_max = row_shift(x)
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
+    if log_decay is not None:
+        older = older * decay_weights(log_decay, q.shape[-2], window)
     return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1]), None

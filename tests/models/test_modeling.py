@@ -231,3 +231,30 @@ def test_peft_lora_with_rnn_params_saved_trains_only_adapters_and_rnn_params(fam
     ids, mask = left_padded_batch()
     wrapped(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
     assert all(p.grad is not None for name, p in wrapped.named_parameters() if ".rnn_params.modules_to_save." in name)
+
+
+#: Window hybrids with sinks and a decay, small enough that the 7- and 11-token rows cross window and sinks.
+SINK_DECAY_SPECS = {
+    "hedgehog_window3_sinks2": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, chunk_size=4),
+    "hedgehog_window3_sinks2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True, chunk_size=4
+    ),
+    "taylor2_decay": AttentionSpec(kind="recurrent_softmax", taylor_order=2, decay=True, chunk_size=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SINK_DECAY_SPECS))
+def test_chunked_forward_with_sinks_and_decay_matches_parallel_and_gradients_reach_rnn_params(family, name):
+    parallel = tiny_model(family, SINK_DECAY_SPECS[name])
+    config_class, model_class, _ = CLASSES[family]
+    chunked = model_class(config_class(**{**parallel.config.to_dict(), "attention_mode": "chunked"})).eval()
+    chunked.load_state_dict(parallel.state_dict())
+    ids, mask = left_padded_batch(lengths=(11, 7))
+    visible = mask.bool()
+    torch.testing.assert_close(
+        logits(chunked, ids, mask)[visible], logits(parallel, ids, mask)[visible], atol=1e-5, rtol=1e-5
+    )
+    chunked.train()(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    grads = {key: p.grad for key, p in chunked.named_parameters() if ".rnn_params." in key}
+    assert any(".decay_proj." in key for key in grads) == SINK_DECAY_SPECS[name].decay
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())

@@ -11,8 +11,8 @@ from hf_softmax_rnn.layers.cache import StaticRecurrentStateLayer
 from .helpers import left_padded_batch, tiny_model
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-# finite-state layers: a linear map, order-2 Taylor, and window hybrids whose window (3 / 4 positions)
-# the 10- and 6-token prompts and the 6 new tokens cross
+# finite-state layers: a linear map, order-2 Taylor (also with a decay), and window hybrids (with 2 sinks,
+# and a decay) whose window (3 / 4 positions) the 10- and 6-token prompts and the 6 new tokens cross
 SPECS = {
     "linear_elu": "linear_elu",
     "softmax_taylor_2": "softmax_taylor_2",
@@ -20,6 +20,11 @@ SPECS = {
     "taylor2_l2_window4": AttentionSpec(
         kind="recurrent_softmax", taylor_order=2, normalizer="l2", window=4, chunk_size=3
     ),
+    "hedgehog_window3_sinks2": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, chunk_size=4),
+    "elu_window3_sinks2_decay": AttentionSpec(
+        kind="linear", feature_map="elu", window=3, sinks=2, decay=True, chunk_size=4
+    ),
+    "taylor2_decay": AttentionSpec(kind="recurrent_softmax", taylor_order=2, decay=True, chunk_size=3),
 }
 
 
@@ -40,7 +45,9 @@ def test_static_cache_generation_matches_dynamic_cache_and_recomputation(family,
     assert_same_generation(static, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
 
 
-@pytest.mark.parametrize("name", ["linear_elu", "hedgehog_window3"])
+@pytest.mark.parametrize(
+    "name", ["linear_elu", "hedgehog_window3", "hedgehog_window3_sinks2", "elu_window3_sinks2_decay"]
+)
 def test_static_cache_rows_match_their_unpadded_generation(family, name):
     model = tiny_model(family, SPECS[name])
     ids, mask = left_padded_batch(lengths=(10, 6, 3))

@@ -44,6 +44,18 @@ EXTRA_FINITE_SPECS = {
     "window5_cosine_seqlen_layer": AttentionSpec(
         kind="linear", feature_map="cosine", normalizer="seqlen_layer", window=5
     ),
+    "window2_sinks3_elu": AttentionSpec(kind="linear", feature_map="elu", window=2, sinks=3),
+    "window3_sinks1_taylor2_rms_gates": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="rms", window=3, sinks=1, input_gate=True, output_gate=True
+    ),
+    "decay_elu": AttentionSpec(kind="linear", feature_map="elu", decay=True),
+    "decay_taylor2_l2": AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer="l2", decay=True),
+    "decay_window3_hedgehog_seqlen_layer": AttentionSpec(
+        kind="linear", feature_map="hedgehog", hedgehog_dim=5, normalizer="seqlen_layer", window=3, decay=True
+    ),
+    "decay_window2_sinks2_elu_gates": AttentionSpec(
+        kind="linear", feature_map="elu", window=2, sinks=2, decay=True, input_gate=True, output_gate=True
+    ),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
@@ -65,6 +77,7 @@ def make_inputs(batch=2, heads=4, kv_heads=2, length=11, head_dim=8, dtype=torch
         randn(batch, kv_heads, length, head_dim),
     )
     gate_logits = {"input": randn(batch, kv_heads, length), "output": randn(batch, heads, length)}
+    gate_logits["decay"] = randn(batch, kv_heads, length)
     return q, k, v, gate_logits
 
 
@@ -102,7 +115,10 @@ def left_padding_mask(batch: int, length: int, pads: list[int]) -> torch.Tensor:
 
 
 def gated(spec: AttentionSpec, v: torch.Tensor, gate_logits: dict) -> tuple[torch.Tensor, dict]:
-    """(values with the input gate applied as the layers do, {"output": gate}) for `spec`."""
+    """(values with the input gate applied as the layers do, {"output": gate, "decay": log-decays}) for `spec`."""
     if spec.input_gate:
         v = v * torch.sigmoid(gate_logits["input"]).unsqueeze(-1)
-    return v, {"output": torch.sigmoid(gate_logits["output"])} if spec.output_gate else {}
+    gates = {"output": torch.sigmoid(gate_logits["output"])} if spec.output_gate else {}
+    if spec.decay:
+        gates["decay"] = torch.nn.functional.logsigmoid(gate_logits["decay"])
+    return v, gates

@@ -48,8 +48,9 @@ def test_fla_linear_function(device, feature_dim, clamp, expected, installed):
         (AttentionSpec(kind="recurrent_softmax", taylor_order=3), "parallel", False, 64, None),
         (AttentionSpec(kind="recurrent_softmax", taylor_order=2, window=4), "parallel", False, 64, None),
         (AttentionSpec(kind="linear", feature_map="elu"), "parallel", False, 64, None),
+        (AttentionSpec(kind="recurrent_softmax", taylor_order=2, decay=True), "parallel", False, 64, None),
     ],
-    ids=["parallel", "chunked_no_state", "chunked_state", "recurrent", "head48", "order3", "window", "elu"],
+    ids=["parallel", "chunked_no_state", "chunked_state", "recurrent", "head48", "order3", "window", "elu", "decay"],
 )
 def test_polynomial_backend(spec, mode, needs_state, head_dim, expected, installed):
     assert backends.polynomial_backend("cuda", torch.bfloat16, spec, mode, needs_state, head_dim, head_dim) == expected

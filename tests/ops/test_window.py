@@ -1,6 +1,9 @@
-"""Sliding-window hybrids against the formula written out one query at a time, in float64.
+"""Sliding-window hybrids (with and without attention sinks) against the formula written out one
+query at a time, in float64.
 
-y_t = (sum_{t-W<s<=t} e^{x_ts} v_s + e^{lambda_h} sum_{s<=t-W} phi(q_t).phi(k_s) v_s) / (same with v = 1)
+y_t = (sum_{s in E_t} e^{x_ts} v_s + e^{lambda_h} sum_{s<=t-W, s not in E_t} phi(q_t).phi(k_s) v_s) / (same with v = 1)
+
+with E_t the window t-W < s <= t and the first S visible positions (the sinks).
 """
 
 import math
@@ -39,7 +42,8 @@ def naive_window_attention(q, k, v, spec, params, mask, scale):
                 for s in range(t + 1):
                     if not mask[b, s]:
                         continue
-                    if t - s < spec.window:
+                    is_sink = spec.sinks is not None and int(mask[b, :s].sum()) < spec.sinks
+                    if t - s < spec.window or is_sink:
                         weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
                     elif spec.uses_taylor:
                         x = scale * q[b, h, t] @ k[b, kv, s]
@@ -59,6 +63,11 @@ SPECS = {
     "elu_w3": AttentionSpec(kind="linear", feature_map="elu", window=3),
     "hedgehog_w2": AttentionSpec(kind="linear", feature_map="hedgehog", window=2),
     "taylor2_w4_l2": AttentionSpec(kind="recurrent_softmax", taylor_order=2, window=4, normalizer="l2", norm_eps=1e-30),
+    "elu_w3_sinks2": AttentionSpec(kind="linear", feature_map="elu", window=3, sinks=2),
+    "hedgehog_w1_sinks3": AttentionSpec(kind="linear", feature_map="hedgehog", window=1, sinks=3, chunk_size=2),
+    "taylor2_w2_sinks4_l2": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, window=2, sinks=4, normalizer="l2", norm_eps=1e-30
+    ),
 }
 
 
@@ -111,3 +120,36 @@ def test_window_needs_its_weight():
     q, k, v, _ = make_inputs(length=4)
     with pytest.raises(ValueError, match="linear_log_scale"):
         attention(q, k, v, AttentionSpec(kind="linear", feature_map="elu", window=2))
+
+
+def test_state_keeps_the_first_visible_positions_as_sinks():
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=2, sinks=3, chunk_size=4)
+    q, k, v, _ = make_inputs(length=11)
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, 11, [0, 9])  # the second row has only 2 visible positions: one slot stays empty
+    _, state = attention(q, k, v, spec, mode="chunked", params=params, attention_mask=mask)
+    torch.testing.assert_close(state.sink_keys[0], k[0, :, :3])
+    torch.testing.assert_close(state.sink_keys[1, :, :2], k[1, :, 9:])
+    assert not state.sink_keys[1, :, 2].any() and not state.sink_values[1, :, 2].any()
+    torch.testing.assert_close(state.sink_values[0, :, :, -1], torch.ones(2, 3, dtype=torch.float64))
+
+
+def test_sinks_never_enter_the_finite_state():
+    """With every key older than the window a sink, the state sums nothing."""
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=2, sinks=4)
+    q, k, v, _ = make_inputs(length=6)
+    _, state = attention(q, k, v, spec, mode="chunked", params=as_params(make_params(spec)))
+    assert not state.packed.any()
+
+
+def test_state_from_another_sink_count_raises():
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=3, sinks=2)
+    q, k, v, _ = make_inputs(length=4)
+    params = as_params(make_params(spec))
+    _, state = attention(q, k, v, spec, mode="chunked", params=params)
+    for other in (
+        AttentionSpec(kind="linear", feature_map="elu", window=3),
+        AttentionSpec(**{**spec.to_dict(), "sinks": 1}),
+    ):
+        with pytest.raises(ValueError, match=rf"state was made for another attention.*sinks=2 \(here {other.sinks}\)"):
+            attention(q, k, v, other, mode="recurrent", params=params, state=state)

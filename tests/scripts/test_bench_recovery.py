@@ -1,6 +1,7 @@
 """scripts/bench_recovery.py in its quick form: a tiny Llama trained for a few seconds on the
 offline corpus stands in for the pretrained model; the recipe must lower the layer MSE and the
-held-out loss (no fixed numbers)."""
+held-out loss (no fixed numbers); the long-context columns are those `position_perplexity` gives
+the base model on its own; bad long-context settings are refused before any row runs."""
 
 import importlib.util
 import json
@@ -12,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.data.corpus import pydoc_corpus
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context import position_perplexity
 from hf_softmax_rnn.training.data import eval_blocks
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_recovery.py"
@@ -57,8 +60,44 @@ def pretrained_tiny_llama(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def long_texts(tmp_path_factory) -> str:
+    """A folder of 3 .txt documents of held-out pydoc text, each over 64 bytes."""
+    folder = tmp_path_factory.mktemp("long_texts")
+    for index, text in enumerate(pydoc_corpus()["test"]["text"][:3]):
+        (folder / f"{index}.txt").write_text(text)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--long-positions", "0", "64", "32"], r"bucket edges \[0, 64, 32\] are not allowed"),
+        (["--long-positions", "0", "16", "128"], "bucket end=128 is more than the model's 64 positions"),
+        (["--passkey", "256"], "passkey length=256 is more than the model's 64 positions"),
+    ],
+    ids=["unsorted-edges", "bucket-beyond-positions", "passkey-beyond-positions"],
+)
+def test_bad_long_context_settings_are_refused_before_any_row(
+    pretrained_tiny_llama, long_texts, tmp_path, flags, message
+):
+    arguments = [
+        "--model",
+        pretrained_tiny_llama,
+        "--rows",
+        "base",
+        "--long-texts",
+        long_texts,
+        "--output",
+        str(tmp_path),
+    ]
+    with pytest.raises(UserInputError, match=message):
+        _load_script().main([*arguments, "--long-positions", "0", "16", "64", "--passkey", "0", *flags])
+    assert not (tmp_path / "recovery.json").exists()
+
+
 @pytest.mark.slow
-def test_quick_recovery_lowers_layer_mse_and_heldout_loss(pretrained_tiny_llama, tmp_path):
+def test_quick_recovery_lowers_layer_mse_and_heldout_loss(pretrained_tiny_llama, long_texts, tmp_path):
     bench = _load_script()
     arguments = [
         "--model",
@@ -80,6 +119,14 @@ def test_quick_recovery_lowers_layer_mse_and_heldout_loss(pretrained_tiny_llama,
         "4",
         "--output",
         str(tmp_path),
+        "--long-texts",
+        long_texts,
+        "--long-positions",
+        "0",
+        "16",
+        "64",
+        "--passkey",
+        "0",
     ]
     records = {record["row"]: record for record in bench.main(arguments)}
     hedgehog = records["linear_hedgehog"]
@@ -92,3 +139,26 @@ def test_quick_recovery_lowers_layer_mse_and_heldout_loss(pretrained_tiny_llama,
     assert [record["row"] for record in saved] == ["base", "linear_hedgehog"]
     table = (tmp_path / "recovery.md").read_text()
     assert "| linear_hedgehog | `linear_hedgehog` |" in table and (tmp_path / "recovery.png").stat().st_size > 0
+    texts = [(Path(long_texts) / f"{i}.txt").read_text().strip() for i in range(3)]
+    base = LlamaForCausalLM.from_pretrained(pretrained_tiny_llama).eval()
+    expected = position_perplexity(base, byte_tokenizer(), texts, ((0, 16), (16, 64)), num_sequences=2, progress=False)
+    got = records["base"]["long_context"]["positions"]["buckets"]
+    assert [b["perplexity"] for b in got] == pytest.approx([b["perplexity"] for b in expected["buckets"]], rel=1e-5)
+    assert [b["tokens"] for b in hedgehog["long_context"]["positions"]["buckets"]] == [30, 96]
+    assert "| linear_hedgehog | " in table.split("Perplexity by position")[1]
+    assert (tmp_path / "long_context.png").stat().st_size > 10_000
+
+
+def test_row_settings_override_the_command_line_but_not_the_heldout_blocks(tmp_path):
+    """Every row builds a valid run; a row's own settings win, and held-out blocks keep --block-size."""
+    script = _load_script()
+    args = script.parse_args(["--block-size", "512", "--finetune-steps", "40"])
+    for name in script.ROWS:
+        preset, row_settings = script.row_recipe(name)
+        config = script._settings(args, preset or "hedgehog_window_64", str(tmp_path / name), row_settings)
+        assert config.heldout_block_size == 512
+        assert config.block_size == row_settings.get("block_size", 512)
+        assert config.finetune_steps == row_settings.get("finetune_steps", 40)
+    preset, row_settings = script.row_recipe("long_recipe")
+    long_recipe = script._settings(args, preset, str(tmp_path / "x"), row_settings)
+    assert long_recipe.dataset_sources == ["pydoc", "generated"] and long_recipe.attention_spec.decay

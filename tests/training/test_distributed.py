@@ -10,8 +10,10 @@ import sys
 import pytest
 import torch
 
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import finetune
 from hf_softmax_rnn.training.metrics import read_metrics
+from hf_softmax_rnn.training.trainer import check_launched_processes
 from tests.training.helpers import tiny_config
 
 RANK_SCRIPT = """
@@ -61,3 +63,38 @@ def test_two_cpu_processes_agree_with_each_other_and_with_one_process(tiny_model
     two_losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl") if "loss" in r]
     one_losses = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "loss" in r]
     assert two_losses == pytest.approx(one_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "num_processes", "refused"),
+    [(None, 1, False), ("1", 1, False), ("2", 2, False), ("2", 1, True), ("4", 2, True)],
+    ids=["not_launched", "one", "two_set_up", "two_launched_one_set_up", "four_launched_two_set_up"],
+)
+def test_launched_processes_that_accelerate_did_not_set_up_are_refused(monkeypatch, world_size, num_processes, refused):
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    if not refused:
+        check_launched_processes(num_processes)
+        return
+    with pytest.raises(
+        UserInputError, match=rf"WORLD_SIZE={world_size} processes but Accelerate set up {num_processes}"
+    ):
+        check_launched_processes(num_processes)
+
+
+@pytest.mark.slow  # two processes start torch and transformers
+def test_two_launched_processes_without_gpu_or_cpu_flag_stop_in_one_line(tiny_models, tmp_path):
+    output = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        "-m", "hf_softmax_rnn.cli", "finetune", "--output-dir", str(output), "--model", tiny_models["llama"],
+    ]  # fmt: skip
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    launched = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert launched.returncode != 0  # (torchrun reports its failed children with its own traceback)
+    errors = [line for line in launched.stderr.splitlines() if "hf-softmax-rnn finetune: error:" in line]
+    assert len(errors) == 2, launched.stderr[-3000:]
+    assert all("WORLD_SIZE=2 processes but Accelerate set up 1" in line for line in errors)
+    assert not output.exists()

@@ -128,3 +128,38 @@ def test_each_stage_trains_only_its_parameters(tiny_models, tmp_path, family, at
     changed = {name for name, tensor in trained.items() if not torch.equal(tensor, converted[name])}
     assert changed, "the run changed no parameter"
     assert {name for name in changed if not re.search(pattern, name)} == set()
+
+
+def test_finetune_on_generated_text_trains_on_the_models_own_samples(tiny_models, tmp_path, monkeypatch):
+    """'pydoc+generated': the model's samples join the training blocks; the held-out split stays pydoc's."""
+    from hf_softmax_rnn.data import generated
+
+    monkeypatch.setattr(generated.hub_constants, "HF_HOME", str(tmp_path / "home"))
+    plain = finetune(tiny_config(tiny_models["llama"], tmp_path / "plain", finetune_steps=1, transfer_steps=0))
+    mixed = finetune(
+        tiny_config(
+            tiny_models["llama"],
+            tmp_path / "mixed",
+            dataset="pydoc+generated",
+            generated_texts=6,
+            generated_tokens=12,
+            finetune_steps=1,
+            transfer_steps=0,
+        )
+    )
+    cached = list((tmp_path / "home" / "hf_softmax_rnn" / "generated").glob("*.jsonl"))
+    assert len(cached) == 1 and len(cached[0].read_text().splitlines()) == 6
+    assert mixed.evaluations["base"] == plain.evaluations["base"]
+    saved = json.loads((tmp_path / "mixed" / "results.json").read_text())
+    assert saved["config"]["dataset"] == "pydoc+generated"
+
+
+def test_lora_finetune_trains_the_decay_projection(tiny_models, tmp_path):
+    """rnn_params (decay_proj among them) train in full beside the LoRA adapters."""
+    attention = dict(kind="linear", feature_map="elu", window=4, sinks=2, decay=True)
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0))
+    converted = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), AttentionSpec(**attention))
+    trained = weights(tmp_path / "out")
+    decay = [name for name in trained if ".rnn_params.decay_proj." in name]
+    assert len(decay) == 2 * converted.config.num_hidden_layers
+    assert all(not torch.equal(trained[name], converted.state_dict()[name]) for name in decay)

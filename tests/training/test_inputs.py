@@ -21,6 +21,11 @@ BAD_RUNS = {
         UserInputError,
         rf"block_size=128 is larger than the model's maximum of {MAX_POSITIONS} positions",
     ),
+    "eval-block-size-above-max-positions": (
+        dict(eval_block_size=MAX_POSITIONS + 1),
+        UserInputError,
+        rf"eval_block_size={MAX_POSITIONS + 1} is larger than the model's maximum of {MAX_POSITIONS} positions",
+    ),
     "lora-target-matching-nothing": (
         dict(lora_targets=["q_proj", "query_key_value"]),
         UserInputError,
@@ -110,6 +115,9 @@ BAD_SETTINGS = {
     "zero-shuffle-buffer": (dict(shuffle_buffer=0), r"shuffle_buffer=0 is not allowed; expected a number >= 1"),
     "negative-seed": (dict(seed=-1), r"seed=-1 is not allowed; expected an int from 0 to 2\*\*32 - 1"),
     "seed-above-32-bits": (dict(seed=2**32), r"seed=4294967296 is not allowed"),
+    "eval-block-size-1": (dict(eval_block_size=1), r"eval_block_size=1 is not allowed; expected an int >= 2"),
+    "generated-texts-0": (dict(generated_texts=0), r"generated_texts=0 is not allowed"),
+    "dataset-source-twice": (dict(dataset="pydoc+pydoc"), r"dataset='pydoc\+pydoc' is not allowed"),
     "resume-and-overwrite": (
         dict(resume=True, overwrite=True),
         r"--resume and --overwrite contradict each other .*; pass one",
@@ -239,3 +247,10 @@ def test_cli_reports_a_broken_model_folder_in_one_line(tiny_models, tmp_path, ca
     assert "Traceback" not in error
     assert re.search(rf"^hf-softmax-rnn finetune: error: Model '.*model': {message}", error, re.MULTILINE), error
     assert not (tmp_path / "out").exists()
+
+
+def test_heldout_blocks_follow_eval_block_size(tiny_models, tmp_path):
+    """Trained on 16-token blocks, scored on 32-token ones: the held-out tensor has the eval length."""
+    finetuner = Finetuner(tiny_config(tiny_models["llama"], tmp_path / "out", block_size=16, eval_block_size=32))
+    assert finetuner.eval_ids.shape[1] == 32
+    assert finetuner.train_data.next_blocks(1).shape[1] == 16

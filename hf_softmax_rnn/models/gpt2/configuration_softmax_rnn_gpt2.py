@@ -13,14 +13,15 @@ from hf_softmax_rnn.models.configuration_softmax_rnn import SoftmaxRNNConfigMixi
 class SoftmaxRNNGPT2Config(SoftmaxRNNConfigMixin, GPT2Config):
     """`GPT2Config` plus the attention choice.
 
-    Args:
+    Attributes:
         attention: the `AttentionSpec` of every layer, as a spec, a dict of its fields or a
             preset name (see `hf_softmax_rnn.PRESETS`); None = exact softmax. Stored as a dict.
         layer_attention: optional `{layer_idx: spec}` overrides (hybrids); string keys in JSON.
         attention_mode: how layers with a finite state run without a cache: "parallel"
             (default) or "chunked".
-        **kwargs: any `GPT2Config` argument (n_embd, n_layer, n_head, ...). Cross-attention
-            (`add_cross_attention=True`) is not supported.
+
+    Every `GPT2Config` argument (n_embd, n_layer, n_head, ...) is accepted too; cross-attention
+    (`add_cross_attention=True`) is not supported.
 
     The qk scale of a spec with `qk_scale=None` is GPT-2's own: head_dim**-0.5 (if
     `scale_attn_weights`), further divided by layer_idx + 1 if `scale_attn_by_inverse_layer_idx`.

@@ -13,14 +13,15 @@ from hf_softmax_rnn.models.configuration_softmax_rnn import SoftmaxRNNConfigMixi
 class SoftmaxRNNLlamaConfig(SoftmaxRNNConfigMixin, LlamaConfig):
     """`LlamaConfig` plus the attention choice.
 
-    Args:
+    Attributes:
         attention: the `AttentionSpec` of every layer, as a spec, a dict of its fields or a
             preset name (see `hf_softmax_rnn.PRESETS`); None = exact softmax. Stored as a dict.
         layer_attention: optional `{layer_idx: spec}` overrides, e.g. to keep softmax in some
             layers (a hybrid). Keys are stored as strings (JSON).
         attention_mode: how layers with a finite state run without a cache: "parallel"
             (the masked L x L form, default) or "chunked" (no L x L matrix).
-        **kwargs: any `LlamaConfig` argument (hidden_size, num_hidden_layers, ...).
+
+    Every `LlamaConfig` argument (hidden_size, num_hidden_layers, ...) is accepted too.
 
     `config.attention_spec(i)` gives layer i's spec; `config.layer_types` says which layers
     decode from a recurrent state ("softmax_rnn_recurrent") and which from a KV cache.

@@ -1,0 +1,17 @@
+"""Long-context evaluation: perplexity per position bucket and passkey retrieval, on texts of
+another kind than the training corpus (`data/eval_texts.py`), for a model beside the original."""
+
+from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, passkey_retrieval
+from hf_softmax_rnn.long_context.positions import DEFAULT_BUCKETS, position_perplexity
+from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_positions
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "DEFAULT_DEPTHS",
+    "DEFAULT_LENGTHS",
+    "LongContextSettings",
+    "comparison_tables",
+    "passkey_retrieval",
+    "plot_positions",
+    "position_perplexity",
+]

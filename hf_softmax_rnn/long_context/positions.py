@@ -1,0 +1,231 @@
+"""Perplexity by position: how well a model predicts a token given how many tokens precede it.
+
+Each evaluation sequence of `length` tokens (the end of the last bucket) is scored in one
+forward pass from position 0, without a cache (`use_cache=False`; finite-state layers of a
+converted model run in the chunked mode, whose memory does not grow with the length). The token
+at position t (t >= 1) is predicted from the t tokens before it; its negative log-likelihood
+goes to the bucket `[start, end)` holding t (position 0 has no context and is never scored, so
+the bucket (0, 64) holds 63 tokens of each sequence). The logits are never materialised for the
+whole sequence: the decoder's hidden states go through the output layer a slice at a time.
+
+Sequences come from the texts one per document (its first `length` tokens; the default), or from
+the texts joined into one stream (each text followed by EOS) cut into consecutive pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.evaluation import next_token_nll
+from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = ((0, 64), (64, 256), (256, 1024), (1024, 2048), (2048, 4096), (4096, 8192))
+#: Positions whose logits are computed at once from the hidden states (memory: slice x vocabulary).
+DEFAULT_SLICE = 512
+
+
+def check_buckets(buckets: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """`buckets` as int pairs, checked: each `0 <= start < end`, sorted and not overlapping."""
+    pairs = []
+    for bucket in buckets:
+        if (
+            not isinstance(bucket, (tuple, list))
+            or len(bucket) != 2
+            or not all(isinstance(value, int) and not isinstance(value, bool) for value in bucket)
+        ):
+            raise UserInputError(f"bucket {bucket!r} is not allowed; expected a pair of ints (start, end)")
+        start, end = bucket
+        if not 0 <= start < end:
+            raise UserInputError(f"bucket {tuple(bucket)} is not allowed; expected 0 <= start < end")
+        if pairs and start < pairs[-1][1]:
+            raise UserInputError(
+                f"bucket {tuple(bucket)} starts before the previous bucket {pairs[-1]} ends; expected sorted, "
+                "non-overlapping buckets"
+            )
+        pairs.append((start, end))
+    if not pairs:
+        raise UserInputError("buckets=() is not allowed; expected at least one (start, end) pair")
+    return tuple(pairs)
+
+
+def buckets_from_edges(edges: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Contiguous buckets between consecutive `edges`, e.g. (0, 64, 256) -> ((0, 64), (64, 256))."""
+    if len(edges) < 2 or any(later <= earlier for earlier, later in zip(edges, edges[1:])):
+        raise UserInputError(
+            f"bucket edges {list(edges)} are not allowed; expected at least two strictly increasing positions"
+        )
+    return check_buckets(list(zip(edges, edges[1:])))
+
+
+def check_positions(model, length: int, what: str) -> None:
+    """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise UserInputError(
+            f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
+            f"expected at most {limit}"
+        )
+
+
+def check_count(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UserInputError(f"{name}={value!r} is not allowed; expected an int >= 1")
+
+
+def eval_sequences(
+    tokenizer, texts: Sequence[str], length: int, *, num_sequences: int | None = None, join: bool = False
+) -> torch.Tensor:
+    """Token ids `[N, length]` from `texts` (one per document, or joined with EOS when `join`);
+    documents are tokenised only until `num_sequences` sequences are filled (None: all of them)."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, not a single string; wrap it as [text]")
+    check_count("num_sequences", num_sequences)
+    eos = [tokenizer.eos_token_id] if join and tokenizer.eos_token_id is not None else []
+    sequences, stream, seen = [], [], 0
+    for index, text in enumerate(texts):
+        if num_sequences is not None and len(sequences) == num_sequences:
+            break
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        seen += len(ids)
+        if not join:
+            if len(ids) < length:
+                raise UserInputError(
+                    f"evaluation text {index} has {len(ids)} tokens, fewer than the {length} positions the buckets "
+                    "ask for; pass longer texts, join them into one stream, or end the buckets earlier"
+                )
+            sequences.append(ids[:length])
+            continue
+        stream += ids + eos
+        while len(stream) >= length and (num_sequences is None or len(sequences) < num_sequences):
+            sequences.append(stream[:length])
+            stream = stream[length:]
+    wanted = num_sequences or 1
+    if len(sequences) < wanted:
+        raise UserInputError(
+            f"the evaluation texts hold {seen} tokens: {len(sequences)} sequences of {length} tokens (the end of the "
+            f"last bucket), fewer than the {wanted} asked for; pass longer texts, fewer sequences or smaller buckets"
+        )
+    return torch.tensor(sequences, dtype=torch.long)
+
+
+@contextmanager
+def no_cache_mode(model, mode: str | None) -> Iterator[None]:
+    """Run the finite-state layers of a converted model in `mode` ("parallel" or "chunked"; None:
+    as configured) without a cache, restoring each layer's mode afterwards."""
+    layers = [m for m in softmax_rnn_attention_modules(model) if m.uses_recurrent_state] if mode else []
+    saved = [layer.attention_mode for layer in layers]
+    for layer in layers:
+        layer.attention_mode = mode
+    try:
+        yield
+    finally:
+        for layer, previous in zip(layers, saved):
+            layer.attention_mode = previous
+
+
+@torch.inference_mode()
+def token_nll(model, input_ids: torch.Tensor, *, slice_size: int = DEFAULT_SLICE) -> torch.Tensor:
+    """NLL (nats, float64) of tokens 1..L-1 of `input_ids` `[B, L]` given those before -> `[B, L - 1]`.
+
+    The decoder (`model.base_model`) runs once; its hidden states go through the output layer
+    `slice_size` positions at a time. A model without a separate decoder is scored from `.logits`.
+    """
+    head = model.get_output_embeddings()
+    decoder = model.base_model
+    if head is None or decoder is model:
+        return next_token_nll(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    length = input_ids.shape[1]
+    parts = []
+    for start in range(0, length - 1, slice_size):
+        end = min(start + slice_size, length - 1)
+        logits = head(hidden[:, start:end])
+        targets = input_ids[:, start + 1 : end + 1]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), reduction="none")
+        parts.append(nll.view_as(targets))
+    return torch.cat(parts, dim=1)
+
+
+def bucket_statistics(nll: torch.Tensor, buckets: Sequence[tuple[int, int]]) -> list[dict]:
+    """Per bucket of positions: tokens, mean NLL, its standard error and the perplexity, from the
+    per-token NLL `[N, L - 1]` (column t - 1 = the token at position t)."""
+    rows = []
+    for start, end in buckets:
+        values = nll[:, max(start, 1) - 1 : end - 1].flatten().double()
+        count = values.numel()
+        mean = values.mean().item()
+        stderr = (values.std().item() / math.sqrt(count)) if count > 1 else math.nan
+        rows.append(
+            {
+                "start": start,
+                "end": end,
+                "tokens": count,
+                "mean_nll": mean,
+                "stderr": stderr,
+                "perplexity": math.exp(mean) if mean < 709 else math.inf,
+            }
+        )
+    return rows
+
+
+def position_perplexity(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    buckets: Sequence[Sequence[int]] = DEFAULT_BUCKETS,
+    *,
+    num_sequences: int | None = None,
+    join: bool = False,
+    attention_mode: str | None = "chunked",
+    slice_size: int = DEFAULT_SLICE,
+    progress: bool = True,
+) -> dict:
+    """Perplexity per position bucket of `model` on `texts` (see the module docstring).
+
+    Args:
+        buckets: sorted, non-overlapping `(start, end)` position ranges; the last end is the
+            sequence length, at most the model's `max_position_embeddings`.
+        num_sequences: sequences scored (None: every full sequence of the texts).
+        join: take the start of each document (False) or join the texts into one stream (True).
+        attention_mode: no-cache mode of a converted model's finite-state layers (None: as configured).
+
+    Returns {"buckets": [{"start", "end", "tokens", "mean_nll", "stderr", "perplexity"}],
+    "sequences", "sequence_length", "tokens" (fed to the model), "seconds"}. The standard error
+    is that of the mean over tokens taken as independent (neighbouring tokens are not, so it is a
+    lower bound).
+    """
+    buckets = check_buckets(buckets)
+    length = buckets[-1][1]
+    check_positions(model, length, "bucket end")
+    sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        with no_cache_mode(model, attention_mode):
+            nll = torch.cat(
+                [
+                    token_nll(model, row[None].to(device), slice_size=slice_size).cpu()
+                    for row in tqdm(sequences, desc="Position perplexity", unit="seq", disable=not progress)
+                ]
+            )
+    finally:
+        model.train(was_training)
+    return {
+        "buckets": bucket_statistics(nll, buckets),
+        "sequences": len(sequences),
+        "sequence_length": length,
+        "tokens": sequences.numel(),
+        "seconds": round(time.perf_counter() - start, 1),
+    }

@@ -1,0 +1,166 @@
+"""One long-context evaluation of several models on the same texts: settings, tables and plot.
+
+`LongContextSettings` checks everything it can before a model runs (`check(model, tokenizer,
+texts)` adds what needs the model and the texts); `evaluate` returns {"positions": ...,
+"passkey": ...} for one model; `comparison_tables` and `plot_positions` put models side by
+side, each beside a reference (the original model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_softmax_rnn.long_context.passkey import (
+    DEFAULT_DEPTHS,
+    check_passkey_settings,
+    passkey_filler,
+    passkey_retrieval,
+)
+from hf_softmax_rnn.long_context.positions import (
+    check_buckets,
+    check_count,
+    check_positions,
+    eval_sequences,
+    position_perplexity,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Buckets and passkey lengths that are cheap enough to run after a fine-tuning run on a CPU.
+QUICK_BUCKETS = ((0, 64), (64, 256), (256, 1024), (1024, 2048), (2048, 4096))
+QUICK_LENGTHS = (1024, 2048)
+
+
+@dataclass
+class LongContextSettings:
+    """What to measure: position buckets over `sequences` sequences (None: all; one per document, or
+    the texts joined when `join`), passkey at `passkey_lengths` (empty: none) and `depths`, with
+    `trials` prompts per (length, depth)."""
+
+    buckets: Sequence[Sequence[int]] = QUICK_BUCKETS
+    sequences: int | None = 2
+    join: bool = False
+    passkey_lengths: Sequence[int] = QUICK_LENGTHS
+    depths: Sequence[float] = DEFAULT_DEPTHS
+    trials: int = 1
+    seed: int = 0
+    max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        self.buckets = check_buckets(self.buckets)
+        check_count("sequences", self.sequences)
+        check_count("trials", self.trials)
+        self.passkey_lengths = tuple(self.passkey_lengths)
+        self.depths = tuple(self.depths)
+
+    def check(self, model, tokenizer, texts: Sequence[str]) -> None:
+        """Refuse what `model` or `texts` cannot hold (positions, tokens), before anything runs."""
+        length = self.buckets[-1][1]
+        check_positions(model, length, "bucket end")
+        eval_sequences(tokenizer, texts, length, num_sequences=self.sequences, join=self.join)
+        if self.passkey_lengths:
+            check_passkey_settings(model, self.passkey_lengths, self.depths, self.trials, self.max_new_tokens)
+            passkey_filler(tokenizer, texts, self.passkey_lengths, self.max_new_tokens)
+
+    def evaluate(self, model, tokenizer, texts: Sequence[str], *, progress: bool = True) -> dict:
+        """{"positions": `position_perplexity`, "passkey": `passkey_retrieval` or None} of one model."""
+        positions = position_perplexity(
+            model, tokenizer, texts, self.buckets, num_sequences=self.sequences, join=self.join, progress=progress
+        )
+        passkey = None
+        if self.passkey_lengths:
+            passkey = passkey_retrieval(
+                model,
+                tokenizer,
+                texts,
+                lengths=self.passkey_lengths,
+                depths=self.depths,
+                trials=self.trials,
+                seed=self.seed,
+                max_new_tokens=self.max_new_tokens,
+                progress=progress,
+            )
+        return {"positions": positions, "passkey": passkey}
+
+
+def _bucket_label(bucket: dict) -> str:
+    return f"{bucket['start']:,}-{bucket['end']:,}"
+
+
+def comparison_tables(results: dict[str, dict], reference: str) -> str:
+    """Markdown: perplexity per bucket of each model (with its ratio to `reference`), then passkey
+    accuracy per length; tokens scored and wall time beside the numbers."""
+    base = results[reference]["positions"]["buckets"]
+    header = [_bucket_label(b) for b in base]
+    lines = [
+        "Perplexity by position (tokens scored per bucket: "
+        + ", ".join(f"{_bucket_label(b)}: {b['tokens']:,}" for b in base)
+        + (f"; in brackets the ratio to {reference})." if len(results) > 1 else ")."),
+        "",
+        "| model | " + " | ".join(header) + " | tokens | time |",
+        "|---" * (len(header) + 3) + "|",
+    ]
+    for name, result in results.items():
+        positions = result["positions"]
+        cells = [
+            f"{b['perplexity']:.2f}" + ("" if name == reference else f" ({b['perplexity'] / r['perplexity']:.2f}x)")
+            for b, r in zip(positions["buckets"], base)
+        ]
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {positions['tokens']:,} | {positions['seconds']:.0f} s |"
+        )
+    passkeys = {name: result["passkey"] for name, result in results.items() if result.get("passkey")}
+    if passkeys:
+        lengths = list(next(iter(passkeys.values()))["lengths"])
+        lines += [
+            "",
+            "Passkey retrieval accuracy (correct / trials; prompt tokens read and wall time per length).",
+            "",
+            "| model | " + " | ".join(f"{int(length):,} tokens" for length in lengths) + " |",
+            "|---" * (len(lengths) + 1) + "|",
+        ]
+        for name, passkey in passkeys.items():
+            cells = [
+                f"{r['accuracy']:.0%} ({r['correct']}/{r['trials']}; {r['tokens'] / 1000:.0f}k tok, "
+                f"{r['seconds']:.0f} s)"
+                for r in (passkey["lengths"][length] for length in lengths)
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
+    """Perplexity per position bucket of every model and, beside it when there are several, each
+    model's ratio to `reference`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results[reference]["positions"]["buckets"]
+    compared = len(results) > 1
+    figure, axes = plt.subplots(1, 2 if compared else 1, figsize=(11 if compared else 6, 4), squeeze=False)
+    curves, ratios = axes[0, 0], axes[0, -1]
+    places = range(len(base))
+    for name, result in results.items():
+        values = [b["perplexity"] for b in result["positions"]["buckets"]]
+        curves.plot(places, values, marker="o", label=name)
+        if name != reference:
+            ratios.plot(places, [v / r["perplexity"] for v, r in zip(values, base)], marker="o", label=name)
+    panels = [(curves, "perplexity")]
+    if compared:
+        ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
+        panels.append((ratios, f"perplexity / {reference}"))
+    for axis, ylabel in panels:
+        axis.set_xticks(places, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
+        axis.set_xlabel("position bucket (tokens of context)")
+        axis.set_ylabel(ylabel)
+        axis.legend(fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,52 @@
+"""`finetune --long-eval`: the long-context evaluation of a run, beside the unconverted model.
+
+Everything is checked when the run is set up (texts, positions, passkey lengths); the unconverted
+model is measured before the run frees it, the trained model after it is saved (LoRA merged), and
+the results go into results.json ("long_context") and long_context.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hf_softmax_rnn.data.eval_texts import load_eval_texts
+from hf_softmax_rnn.layers import student_outputs
+from hf_softmax_rnn.long_context.report import comparison_tables, plot_positions
+
+logger = logging.getLogger(__name__)
+
+LONG_CONTEXT_PLOT = "long_context.png"
+ORIGINAL, TRAINED = "unconverted", "trained"
+
+
+class LongContextRun:
+    """The settings and texts of `config`'s --long-eval, checked against `model` (the unconverted one)."""
+
+    def __init__(self, config, model, tokenizer) -> None:
+        self.config = config
+        self.settings = config.long_context_settings()
+        self.texts = load_eval_texts(config.long_eval_texts)
+        self.tokenizer = tokenizer
+        self.settings.check(model, tokenizer, self.texts)
+        self.results: dict[str, dict] = {}
+
+    def measure(self, label: str, model, *, progress: bool) -> None:
+        logger.info("Long-context evaluation of the %s model on %s", label, self.config.long_eval_texts)
+        with student_outputs(model):
+            self.results[label] = self.settings.evaluate(model, self.tokenizer, self.texts, progress=progress)
+
+    def save(self, output_dir: Path, results_file: str) -> dict:
+        """Add the results to `results_file` in `output_dir` and plot them; returns what was added."""
+        record = {"texts": self.config.long_eval_texts, **self.results}
+        path = Path(output_dir) / results_file
+        path.write_text(json.dumps({**json.loads(path.read_text()), "long_context": record}, indent=2))
+        plot_positions(self.results, ORIGINAL, Path(output_dir) / LONG_CONTEXT_PLOT, title=self.config.long_eval_texts)
+        return record
+
+
+def long_context_report(record: dict) -> str:
+    """The tables of a run's long-context record (results.json "long_context")."""
+    results = {name: value for name, value in record.items() if name in (ORIGINAL, TRAINED)}
+    return f"Long-context evaluation on {record['texts']}:\n" + comparison_tables(results, ORIGINAL)

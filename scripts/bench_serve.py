@@ -1,0 +1,316 @@
+"""Batched greedy decoding throughput: tokens/s over all sequences at the largest batch that fits.
+
+The model (`--model`, a config folder; default SmolLM2-135M's shape) is built with random weights
+and served as transformers' own class ("transformers": a KV cache that grows with the context)
+beside converted copies (`--presets`: a recurrent state of fixed size per sequence). For each
+context length, each model prefills one random sequence to that length (in chunks, not timed),
+then its cache is repeated to B sequences and B tokens are decoded per step, eagerly from a
+`DynamicCache` (`--warmup` untimed steps, then `--steps` timed; the cost of a step does not depend
+on what the sequences hold). B doubles from 1 up to `--max-batch` until a try runs out of memory,
+then is bisected between the last batch that fitted and the first that did not, so each model is
+reported at the largest batch found. Peak memory is the allocator's peak above the weights during
+the timed steps (the cache of B sequences and the step's activations; CUDA only).
+
+    python scripts/bench_serve.py --device cuda --dtype bfloat16 --output gpu_results/bench_serve
+    python scripts/bench_serve.py --layers 2 --contexts 64 128 --max-batch 8 --output /tmp/bench_serve
+
+Target (issue 22): at 8,192 tokens of context, each recurrent model >= 3x the KV model's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from hf_softmax_rnn import PRESETS
+from hf_softmax_rnn.analysis.small_models import resolve_device
+from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.layers.cache import cache_nbytes
+
+logger = logging.getLogger("bench_serve")
+
+BASELINE = "transformers"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "smollm2_135m_config"
+DEFAULT_PRESETS = ("linear_elu", "hedgehog_window_64", "softmax_taylor_2")
+DEFAULT_CONTEXTS = (2048, 8192, 32768)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TARGET_CONTEXT, TARGET_RATIO = 8192, 3.0
+
+
+@dataclass
+class Measurement:
+    model: str
+    context: int
+    batch: int
+    tokens_per_s: float
+    step_ms: float
+    cache_bytes: int
+    peak_bytes: int | None
+
+
+class Server:
+    """One model and the cache of one prefilled sequence, decoded as a batch of copies."""
+
+    def __init__(self, name: str, model) -> None:
+        self.name, self.model = name, model
+        self.cache: DynamicCache | None = None
+        self.next_token: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def prefill(self, stream: torch.Tensor, chunk: int) -> None:
+        """A fresh cache fed `stream` `[L]` (one sequence) in chunks."""
+        self.cache = DynamicCache(config=self.model.config)
+        for begin in range(0, stream.shape[0], chunk):
+            ids = stream[None, begin : begin + chunk]
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.next_token = logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def decode(self, batch: int, warmup: int, steps: int) -> Measurement:
+        """Decode `batch` copies of the prefilled sequence; raises torch.OutOfMemoryError."""
+        device = self.next_token.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            baseline = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        cache = copy.deepcopy(self.cache)
+        cache.batch_repeat_interleave(batch)
+        tokens = self.next_token.repeat(batch, 1)
+        seconds = 0.0
+        for step in range(warmup + steps):
+            _synchronize(device)
+            start = time.perf_counter()
+            logits = self.model(input_ids=tokens, cache=cache, use_cache=True).logits
+            tokens = logits[:, -1:].argmax(-1)
+            _synchronize(device)
+            if step >= warmup:
+                seconds += time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) - baseline if cuda else None
+        context = self.cache.get_seq_length()
+        return Measurement(
+            self.name, context, batch, batch * steps / seconds, 1000 * seconds / steps, cache_nbytes(cache), peak
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def largest_batch(attempt: Callable[[int], Measurement | None], cap: int) -> Measurement | None:
+    """The measurement at the largest batch <= `cap` for which `attempt` returns one (None: out of
+    memory): doubling from 1, then bisecting between the last fit and the first miss to within 1/8."""
+    best, batch, miss = None, 1, None
+    while batch <= cap:
+        result = attempt(batch)
+        if result is None:
+            miss = batch
+            break
+        best, batch = result, batch * 2
+    if best is None:
+        return None
+    if miss is None and best.batch < cap:
+        result = attempt(cap)
+        if result is not None:
+            return result
+        miss = cap
+    while miss is not None and miss - best.batch > max(1, best.batch // 8):
+        middle = (best.batch + miss) // 2
+        result = attempt(middle)
+        if result is None:
+            miss = middle
+        else:
+            best = result
+    return best
+
+
+def _attempt(server: Server, args) -> Callable[[int], Measurement | None]:
+    def attempt(batch: int) -> Measurement | None:
+        try:
+            measurement = server.decode(batch, args.warmup, args.steps)
+        except torch.OutOfMemoryError:
+            measurement = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("%s, context %d, batch %d: %s", server.name, server.cache.get_seq_length(), batch, measurement)
+        return measurement
+
+    return attempt
+
+
+def run_benchmark(
+    servers: list[Server], vocab_size: int, device: torch.device, args, done: Callable[[list[Measurement]], None]
+) -> list[Measurement]:
+    """For each context, each model at its largest batch; `done` is handed the measurements so far after
+    each context (a run cut short keeps what finished)."""
+    measurements = []
+    generator = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, vocab_size, (args.contexts[-1],), generator=generator).to(device)
+    for context in args.contexts:
+        for server in servers:
+            server.prefill(stream[:context], args.prefill_chunk)
+            result = largest_batch(_attempt(server, args), args.max_batch)
+            if result is not None:
+                measurements.append(result)
+            server.cache = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        done(measurements)
+    return measurements
+
+
+def markdown_table(measurements: list[Measurement], contexts: list[int]) -> str:
+    """context | per model: largest batch, tokens/s, peak GiB | each converted model's tokens/s / transformers."""
+    names = list(dict.fromkeys(m.model for m in measurements))
+    cell = {(m.model, m.context): m for m in measurements}
+    converted = [name for name in names if name != BASELINE]
+    header = ["context"]
+    for name in names:
+        header += [f"{name} batch", f"{name} tokens/s", f"{name} peak GiB"]
+    header += [f"{name} / {BASELINE}" for name in converted]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
+    for context in contexts:
+        row = [str(context)]
+        for name in names:
+            m = cell.get((name, context))
+            peak = "-" if m is None or m.peak_bytes is None else f"{m.peak_bytes / 2**30:.2f}"
+            row += ["-", "out of memory", "-"] if m is None else [str(m.batch), f"{m.tokens_per_s:,.0f}", peak]
+        for name in converted:
+            m, base = cell.get((name, context)), cell.get((BASELINE, context))
+            row.append("-" if m is None or base is None else f"{m.tokens_per_s / base.tokens_per_s:.2f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def summary(measurements: list[Measurement]) -> list[str]:
+    rate = {(m.model, m.context): m.tokens_per_s for m in measurements}
+    base = rate.get((BASELINE, TARGET_CONTEXT))
+    return [
+        f"- `{name}` at context {context}: {value / base:.2f}x {BASELINE} tokens/s (target >= {TARGET_RATIO}x)"
+        for (name, context), value in rate.items()
+        if name != BASELINE and context == TARGET_CONTEXT and base
+    ]
+
+
+def plot(measurements: list[Measurement], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_batch) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(m.model for m in measurements):
+        rows = [m for m in measurements if m.model == name]
+        ax_rate.plot([m.context for m in rows], [m.tokens_per_s for m in rows], marker="o", label=name)
+        ax_batch.plot([m.context for m in rows], [m.batch for m in rows], marker="o", label=name)
+    for ax, ylabel in ((ax_rate, "decoded tokens/s, all sequences"), (ax_batch, "largest batch that fits")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_CONFIG, help="folder of the config.json to time")
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=list(DEFAULT_PRESETS),
+        help=f"converted models, served beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
+    )
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
+    parser.add_argument("--max-batch", type=int, default=512, help="largest batch tried")
+    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per batch")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per batch")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill forward")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    parser.add_argument(
+        "--output", type=Path, default=Path("bench_serve"), help="writes OUTPUT/bench_serve.{md,json,png}"
+    )
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stops with one line (exit status 2) on a setting that is not allowed, before anything is loaded."""
+    for flag in ("max_batch", "steps", "warmup", "prefill_chunk"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers} is not allowed; expected an int >= 1")
+    if sorted(set(args.contexts)) != args.contexts or args.contexts[0] < 1:
+        parser.error(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model={str(args.model)!r} is not allowed; expected a folder with a config.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:  # what this machine has, apart from parse_args (which checks GPU commands anywhere)
+        resolve_device(args.device)
+    except UserInputError as error:
+        print(f"bench_serve.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    config = AutoConfig.from_pretrained(args.model)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.contexts[-1] + args.warmup + args.steps)
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    torch.manual_seed(0)
+    base_model = AutoModelForCausalLM.from_config(config)
+    servers = [Server(name, convert(base_model, name).eval().to(device=device, dtype=dtype)) for name in args.presets]
+    servers.insert(0, Server(BASELINE, base_model.eval().to(device=device, dtype=dtype)))
+    hardware = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
+    )
+    title = (
+        f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, eager, "
+        f"{args.dtype}, {hardware}; largest batch <= {args.max_batch} that fits, {args.steps} timed steps"
+    )
+    run_benchmark(servers, config.vocab_size, device, args, lambda done: write_report(done, args, title))
+    print((args.output / "bench_serve.md").read_text(), end="")
+
+
+def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
+    """OUTPUT/bench_serve.{md,json,png} for the contexts measured so far."""
+    contexts = [c for c in args.contexts if any(m.context == c for m in measurements)]
+    report = "\n".join([title, "", markdown_table(measurements, contexts), "", *summary(measurements)])
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "bench_serve.md").write_text(report + "\n")
+    settings = {key: str(value) for key, value in vars(args).items()}
+    (args.output / "bench_serve.json").write_text(
+        json.dumps({"title": title, "settings": settings, "measurements": [asdict(m) for m in measurements]}, indent=2)
+        + "\n"
+    )
+    plot(measurements, args.output / "bench_serve.png", title)
+    logger.info("Wrote %s/bench_serve.{md,json,png}", args.output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

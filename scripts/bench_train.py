@@ -1,0 +1,311 @@
+"""Whole-model training throughput: tokens/s of forward + backward + AdamW step, and peak memory.
+
+The model (`--model`, a config folder; default SmolLM2-135M's shape) is built with random weights
+and timed as transformers' own class ("transformers": SDPA attention) beside converted copies
+(`--presets`; finite-state layers in `attention_mode="chunked"`, the path whose memory is flat in
+the length; on CUDA the fused kernels of `hf_softmax_rnn.ops.backends` run where installed). Every
+step sees `--tokens-per-step` random tokens cut as B x L for each L in `--lengths`
+(B = tokens / L), the language-model loss on them, `backward()` and one AdamW step. On CUDA the
+forward runs under bfloat16 autocast (fp32 weights and optimizer state); on CPU in float32.
+For each length the models are warmed up (`--warmup` steps each), then timed in interleaved
+rounds (one step per model per round, `--steps` rounds), so a change in load falls on every
+model alike; the time is the median step. On CUDA peak memory is the allocator's peak during
+a step, weights, gradients and optimizer state included; a step that runs out of memory is
+reported as such.
+
+    python scripts/bench_train.py --device cuda --output gpu_results/bench_train   # 32,768 tokens x 2k/8k/32k
+    python scripts/bench_train.py --layers 2 --tokens-per-step 256 --lengths 64 128 --output /tmp/bench_train
+
+Targets (issue 22): hedgehog_window_64 at >= 0.9x the original's tokens/s at L = 2,048, >= 1.3x
+at 8,192 and >= 2x at 32,768; linear_elu at least as fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_softmax_rnn import PRESETS
+from hf_softmax_rnn.analysis.small_models import resolve_device
+from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.errors import UserInputError
+
+logger = logging.getLogger("bench_train")
+
+BASELINE = "transformers"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "smollm2_135m_config"
+DEFAULT_PRESETS = ("linear_elu", "hedgehog_window_64", "softmax_taylor_2")
+DEFAULT_LENGTHS = (2048, 8192, 32768)
+DEFAULT_TOKENS = 32768
+#: tokens/s of hedgehog_window_64 / the original, by length (issue 22).
+TARGETS = {2048: 0.9, 8192: 1.3, 32768: 2.0}
+OUT_OF_MEMORY = "out of memory"
+
+
+@dataclass
+class Measurement:
+    model: str
+    length: int
+    batch: int
+    tokens_per_s: float | None
+    step_ms: float | None
+    peak_bytes: int | None
+    error: str | None = None
+
+
+class Trainer:
+    """One model, its AdamW optimizer and its training step on a batch of token ids."""
+
+    def __init__(self, name: str, model, device: torch.device) -> None:
+        self.name, self.model, self.device = name, model.to(device).train(), device
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
+
+    def step(self, ids: torch.Tensor) -> float:
+        """Seconds of one forward + backward + optimizer step (device synchronised)."""
+        _synchronize(self.device)
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        _synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_step(trainer: Trainer, ids: torch.Tensor) -> tuple[float | str, int | None]:
+    """(seconds, CUDA peak bytes) of one step, or (what went wrong, None): out of memory, or a kernel's
+    error (logged with its traceback; the other models go on)."""
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    try:
+        seconds = trainer.step(ids)
+    except torch.OutOfMemoryError:
+        error = OUT_OF_MEMORY
+    except Exception as exception:  # noqa: BLE001 (a benchmark reports a failing model and times the rest)
+        logger.exception("%s failed at L=%d", trainer.name, ids.shape[-1])
+        error = f"error: {type(exception).__name__}"
+    else:
+        return seconds, torch.cuda.max_memory_allocated(trainer.device) if cuda else None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.empty_cache()
+    return error, None
+
+
+def run_benchmark(
+    trainers: list[Trainer], vocab_size: int, args, done: Callable[[list[Measurement]], None]
+) -> list[Measurement]:
+    """For each length: warm every model up, then time them in interleaved rounds; `done` is handed
+    the measurements so far after each length (a run cut short keeps what finished)."""
+    measurements = []
+    generator = torch.Generator().manual_seed(0)
+    for length in args.lengths:
+        batch = args.tokens_per_step // length
+        ids = torch.randint(0, vocab_size, (batch, length), generator=generator).to(trainers[0].device)
+        failed: dict[str, str] = {}
+        for trainer in trainers:
+            for _ in range(args.warmup):
+                result = _timed_step(trainer, ids)[0]
+                if isinstance(result, str):
+                    failed[trainer.name] = result
+                    break
+        times: dict[str, list[float]] = {trainer.name: [] for trainer in trainers}
+        peaks: dict[str, int] = {}
+        for _ in range(args.steps):
+            for trainer in (t for t in trainers if t.name not in failed):
+                seconds, peak = _timed_step(trainer, ids)
+                if isinstance(seconds, str):
+                    failed[trainer.name] = seconds
+                    continue
+                times[trainer.name].append(seconds)
+                if peak is not None:
+                    peaks[trainer.name] = max(peaks.get(trainer.name, 0), peak)
+        for trainer in trainers:
+            if trainer.name in failed:
+                measurement = Measurement(trainer.name, length, batch, None, None, None, failed[trainer.name])
+            else:
+                seconds = statistics.median(times[trainer.name])
+                measurement = Measurement(
+                    trainer.name, length, batch, batch * length / seconds, 1000 * seconds, peaks.get(trainer.name)
+                )
+            logger.info("%s", measurement)
+            measurements.append(measurement)
+        done(measurements)
+    return measurements
+
+
+def markdown_table(measurements: list[Measurement], lengths: list[int]) -> str:
+    """length | B | tokens/s of each model | each converted model / transformers | peak GiB of each."""
+    names = list(dict.fromkeys(m.model for m in measurements))
+    cell = {(m.model, m.length): m for m in measurements}
+    converted = [name for name in names if name != BASELINE]
+    header = ["L", "B", *(f"{n} tokens/s" for n in names), *(f"{n} / {BASELINE}" for n in converted)]
+    header += [f"{n} peak GiB" for n in names]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
+    for length in lengths:
+        row = [str(length), str(cell[names[0], length].batch)]
+        row += [_rate(cell[n, length]) for n in names]
+        row += [_ratio(cell[n, length], cell[BASELINE, length]) for n in converted]
+        row += [_gib(cell[n, length].peak_bytes) for n in names]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _rate(m: Measurement) -> str:
+    return m.error if m.tokens_per_s is None else f"{m.tokens_per_s:,.0f}"
+
+
+def _ratio(m: Measurement, baseline: Measurement) -> str:
+    if m.tokens_per_s is None or baseline.tokens_per_s is None:
+        return "-"
+    return f"{m.tokens_per_s / baseline.tokens_per_s:.2f}x"
+
+
+def _gib(peak: int | None) -> str:
+    return "-" if peak is None else f"{peak / 2**30:.2f}"
+
+
+def summary(measurements: list[Measurement]) -> list[str]:
+    """The issue's targets for hedgehog_window_64 and linear_elu, where both sides were measured."""
+    rate = {(m.model, m.length): m.tokens_per_s for m in measurements}
+    lines = []
+    for (name, length), value in rate.items():
+        baseline = rate.get((BASELINE, length))
+        if name == BASELINE or value is None or baseline is None:
+            continue
+        target = TARGETS.get(length) if name == "hedgehog_window_64" else 1.0 if name == "linear_elu" else None
+        if target is not None:
+            lines.append(f"- `{name}` at L={length}: {value / baseline:.2f}x {BASELINE} (target >= {target}x)")
+    return lines
+
+
+def plot(measurements: list[Measurement], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(m.model for m in measurements):
+        rows = [m for m in measurements if m.model == name and m.tokens_per_s is not None]
+        ax_rate.plot([m.length for m in rows], [m.tokens_per_s for m in rows], marker="o", label=name)
+        memory = [m for m in rows if m.peak_bytes is not None]
+        ax_memory.plot([m.length for m in memory], [m.peak_bytes / 2**30 for m in memory], marker="o", label=name)
+    for ax, ylabel in ((ax_rate, "training tokens/s (fwd+bwd+AdamW)"), (ax_memory, "peak memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L (same tokens per step)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_CONFIG, help="folder of the config.json to time")
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=list(DEFAULT_PRESETS),
+        help=f"converted models, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
+    )
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS), help="sequence lengths L")
+    parser.add_argument("--tokens-per-step", type=int, default=DEFAULT_TOKENS, help="B x L of every step")
+    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model and length (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and length")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bfloat16 autocast on cuda)")
+    parser.add_argument(
+        "--output", type=Path, default=Path("bench_train"), help="writes OUTPUT/bench_train.{md,json,png}"
+    )
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stops with one line (exit status 2) on a setting that is not allowed, before anything is loaded."""
+    for flag in ("steps", "warmup", "tokens_per_step"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers} is not allowed; expected an int >= 1")
+    bad = [n for n in args.lengths if n < 1 or args.tokens_per_step % n]
+    if bad or sorted(set(args.lengths)) != args.lengths:
+        parser.error(
+            f"--lengths={args.lengths} is not allowed; expected increasing lengths that divide "
+            f"--tokens-per-step={args.tokens_per_step}"
+        )
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model={str(args.model)!r} is not allowed; expected a folder with a config.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:  # what this machine has, apart from parse_args (which checks GPU commands anywhere)
+        resolve_device(args.device)
+    except UserInputError as error:
+        print(f"bench_train.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = torch.device(args.device)
+    config = AutoConfig.from_pretrained(args.model)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.lengths[-1])
+    if args.layers is not None:
+        config.num_hidden_layers = args.layers
+    torch.manual_seed(0)
+    base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
+    trainers.insert(0, Trainer(BASELINE, base_model, device))
+    hardware = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
+    )
+    precision = "bfloat16 autocast" if device.type == "cuda" else "float32"
+    title = (
+        f"{args.model.name}, {config.num_hidden_layers} layers, random weights: training step (fwd+bwd+AdamW), "
+        f"{args.tokens_per_step} tokens per step, {precision}, {hardware}; median of {args.steps}"
+    )
+    run_benchmark(trainers, config.vocab_size, args, lambda done: write_report(done, args, title))
+    print((args.output / "bench_train.md").read_text(), end="")
+
+
+def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
+    """OUTPUT/bench_train.{md,json,png} for the lengths measured so far."""
+    lengths = [n for n in args.lengths if any(m.length == n for m in measurements)]
+    report = "\n".join([title, "", markdown_table(measurements, lengths), "", *summary(measurements)])
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "bench_train.md").write_text(report + "\n")
+    settings = {key: str(value) for key, value in vars(args).items()}
+    (args.output / "bench_train.json").write_text(
+        json.dumps({"title": title, "settings": settings, "measurements": [asdict(m) for m in measurements]}, indent=2)
+        + "\n"
+    )
+    plot(measurements, args.output / "bench_train.png", title)
+    logger.info("Wrote %s/bench_train.{md,json,png}", args.output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`hf-softmax-rnn evaluate`: the tables of a saved model beside its original (the model named in a
+finetune folder's results.json), the files it writes, and bad input as one line with status 2."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from hf_softmax_rnn import cli
+from hf_softmax_rnn.commands.evaluate import original_of
+from hf_softmax_rnn.long_context import passkey_retrieval, position_perplexity
+
+from ..long_context.helpers import TEXTS, tiny_converted, tiny_llama, tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{"original": folder, "converted": folder (with a finetune-style results.json naming the original),
+    "texts": folder of .txt documents, "short": a folder of one short .txt}."""
+    root = tmp_path_factory.mktemp("evaluate")
+    tok = tokenizer()
+    for name, model in (("original", tiny_llama()), ("converted", tiny_converted("hedgehog_window_64"))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    (root / "converted" / "results.json").write_text(json.dumps({"config": {"model": "../original"}}))
+    (root / "texts").mkdir()
+    for index, text in enumerate(TEXTS * 2):
+        (root / "texts" / f"{index:02}.txt").write_text(text * 3)
+    (root / "short").mkdir()
+    (root / "short" / "note.txt").write_text("Too short to fill the buckets.")
+    return {name: str(root / name) for name in ("original", "converted", "texts", "short")}
+
+
+def test_tables_of_a_model_beside_its_original(saved, tmp_path, capsys):
+    argv = ["evaluate", "--model", saved["converted"], "--texts", saved["texts"], "--positions", "0", "16", "128"]
+    argv += ["--sequences", "3", "--passkey", "300", "--depths", "0.5", "--trials", "2", "--output", str(tmp_path)]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["models"] == {"original": f"{saved['converted']}/../original", "model": saved["converted"]}
+    texts = [open(f"{saved['texts']}/{i:02}.txt").read().strip() for i in range(3)]
+    tok = tokenizer()
+    for label in ("original", "model"):
+        model = AutoModelForCausalLM.from_pretrained(saved["converted" if label == "model" else "original"]).eval()
+        expected = position_perplexity(model, tok, texts, ((0, 16), (16, 128)), num_sequences=3, progress=False)
+        assert [b["perplexity"] for b in record[label]["positions"]["buckets"]] == pytest.approx(
+            [b["perplexity"] for b in expected["buckets"]], rel=1e-5
+        )
+        passkey = passkey_retrieval(model, tok, texts, lengths=(300,), depths=(0.5,), trials=2, progress=False)
+        assert record[label]["passkey"]["answers"] == passkey["answers"]
+    ratio = (
+        record["model"]["positions"]["buckets"][1]["perplexity"]
+        / record["original"]["positions"]["buckets"][1]["perplexity"]
+    )
+    assert f"({ratio:.2f}x)" in out
+    assert "| original | " in out and "| model | " in out and "300 tokens" in out
+    assert (tmp_path / "long_context.png").stat().st_size > 10_000
+
+
+def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
+    assert original_of(saved["converted"]) == f"{saved['converted']}/../original"
+    assert original_of(str(tmp_path)) == "default"
+    (tmp_path / "results.json").write_text(json.dumps({"config": {"model": "HuggingFaceTB/SmolLM2-135M"}}))
+    assert original_of(str(tmp_path)) == "HuggingFaceTB/SmolLM2-135M"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--positions", "0", "64", "1024"], "bucket end=1024 is more than the model's 512 positions"),
+        (["--positions", "0", "64", "32"], "bucket edges [0, 64, 32] are not allowed"),
+        (["--passkey", "4096"], "passkey length=4096 is more than the model's 512 positions"),
+        (["--depths", "2"], "passkey depth=2.0 is not allowed"),
+        (["--sequences", "50"], "fewer than the 50 asked for"),
+        (["--texts", "short"], "evaluation text 0 has 30 tokens, fewer than the 64 positions"),
+    ],
+    ids=["bucket-beyond-positions", "unsorted-edges", "passkey-beyond-positions", "depth", "too-few", "too-short"],
+)
+def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):
+    argv = ["evaluate", "--model", saved["original"], "--texts", saved["texts"], "--positions", "0", "16", "64"]
+    flags = [saved.get(flag, flag) for flag in flags]
+    argv += ["--original", "none", "--passkey", "300", "--output", str(tmp_path / "out"), *flags]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()

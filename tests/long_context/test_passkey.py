@@ -1,0 +1,125 @@
+"""Passkey retrieval: prompts built as documented, accuracy counted exactly on stub models that answer
+right or wrong by rule, a real generate path, and bad input refused before any prompt is answered."""
+
+import re
+
+import pytest
+import torch
+
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context.passkey import INSTRUCTION, NEEDLE, QUESTION, passkey_prompt, passkey_retrieval
+
+from .helpers import TEXTS, tiny_converted, tokenizer
+
+FILLER = TEXTS * 4
+KEY_PATTERN = re.compile(r"The pass key is (\d{5})\. Remember it")
+
+
+class StubModel(torch.nn.Module):
+    """Answers " <key>." when `knows(fraction)` says so (fraction: where the key sits in the prompt
+    text), else a wrong key; records every prompt."""
+
+    def __init__(self, tok, knows, positions: int = 1024):
+        super().__init__()
+        self.tok, self.knows, self.prompts = tok, knows, []
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"max_position_embeddings": positions})()
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, pad_token_id):
+        assert not do_sample and attention_mask.shape == input_ids.shape
+        text = self.tok.decode(input_ids[0])
+        self.prompts.append(input_ids[0].tolist())
+        match = KEY_PATTERN.search(text)
+        key = match.group(1) if self.knows(match.start() / len(text)) else str(int(match.group(1)) % 99999 + 1)
+        answer = self.tok(f" {key}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
+        return torch.cat([input_ids, torch.tensor([answer])], dim=1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("knows", "depth_accuracy"),
+    [
+        (lambda fraction: True, {"0.1": 1.0, "0.3": 1.0, "0.7": 1.0, "0.9": 1.0}),
+        (lambda fraction: False, {"0.1": 0.0, "0.3": 0.0, "0.7": 0.0, "0.9": 0.0}),
+        (lambda fraction: fraction < 0.5, {"0.1": 1.0, "0.3": 1.0, "0.7": 0.0, "0.9": 0.0}),
+    ],
+    ids=["always-right", "always-wrong", "right-in-the-first-half"],
+)
+def test_accuracy_is_counted_per_length_and_depth(knows, depth_accuracy, tok):
+    model = StubModel(tok, knows)
+    result = passkey_retrieval(
+        model, tok, FILLER, lengths=(300, 600), depths=(0.1, 0.3, 0.7, 0.9), trials=3, max_new_tokens=8, progress=False
+    )
+    accuracy = sum(depth_accuracy.values()) / len(depth_accuracy)
+    for length in ("300", "600"):
+        record = result["lengths"][length]
+        assert record["depths"] == depth_accuracy
+        assert (record["trials"], record["correct"], record["accuracy"]) == (12, round(12 * accuracy), accuracy)
+        assert record["tokens"] == 12 * (int(length) - 8)
+    assert len(result["answers"]) == 24
+    assert [len(prompt) for prompt in model.prompts] == [292] * 12 + [592] * 12
+
+
+def test_prompt_holds_the_key_once_at_its_depth(tok):
+    filler = "".join(FILLER)  # ASCII: one byte token per character
+    ids = passkey_prompt(tok, tok(filler, add_special_tokens=False)["input_ids"], 300, 0.25, 12345)
+    needle = NEEDLE.format(key=12345)
+    room = 300 - len(INSTRUCTION) - len(needle) - len(QUESTION)
+    cut = round(0.25 * room)
+    assert tok.decode(ids) == INSTRUCTION + filler[:cut] + needle + filler[cut:room] + QUESTION
+    assert len(ids) == 300
+
+
+def test_same_seed_same_questions_other_seed_other_keys(tok):
+    runs = [
+        passkey_retrieval(StubModel(tok, lambda f: True), tok, FILLER, lengths=(300,), depths=(0.5,), trials=4,
+                          seed=seed, progress=False)["answers"]
+        for seed in (0, 0, 1)
+    ]  # fmt: skip
+    keys = [[answer["key"] for answer in run] for run in runs]
+    assert keys[0] == keys[1] != keys[2]
+    assert all(10000 <= key <= 99999 for key in keys[0])
+
+
+def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monkeypatch):
+    model = tiny_converted("hedgehog_window_64")
+    prompts, generate = [], model.generate
+    monkeypatch.setattr(
+        model, "generate", lambda input_ids, **kw: prompts.append(input_ids) or generate(input_ids, **kw)
+    )
+    result = passkey_retrieval(model, tok, FILLER, lengths=(260,), depths=(0.5,), trials=2, progress=False)
+    for prompt, answer in zip(prompts, result["answers"]):
+        ids = prompt
+        with torch.no_grad():
+            for _ in range(8):  # the full sequence each step, no cache
+                ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+        assert answer["answer"] == tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+        digits = re.search(r"\d+", answer["answer"])
+        assert answer["correct"] == bool(digits and digits.group() == str(answer["key"]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lengths": (300, 2048)}, "passkey length=2048 is more than the model's 1024 positions"),
+        ({"depths": (0.5, 1.5)}, r"passkey depth=1.5 is not allowed; expected a number in \[0, 1\]"),
+        ({"trials": 0}, "trials=0 is not allowed"),
+        ({"lengths": (200,)}, "a passkey prompt of 192 tokens leaves no room for filler"),
+        ({"lengths": ()}, r"lengths=\(\) and depths"),
+    ],
+    ids=["beyond-positions", "depth", "trials", "too-short-for-the-prompt", "no-lengths"],
+)
+def test_bad_settings_are_refused_before_any_answer(kwargs, message, tok):
+    model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
+    with pytest.raises(UserInputError, match=message):
+        passkey_retrieval(model, tok, FILLER, **{"lengths": (300,), **kwargs}, progress=False)
+
+
+def test_too_little_filler_is_refused(tok):
+    model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
+    with pytest.raises(UserInputError, match="the filler texts hold 2[0-9]{2} tokens, fewer than .* 400"):
+        passkey_retrieval(model, tok, TEXTS[:1], lengths=(400,), progress=False)

@@ -1,0 +1,52 @@
+"""Tables and plot of several models' long-context results, and the settings' own checks."""
+
+import pytest
+
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_positions
+
+
+def _result(perplexities, passkey=None, seconds=3.0):
+    buckets = [
+        {"start": start, "end": end, "tokens": 2 * (end - max(start, 1)), "perplexity": value}
+        for (start, end), value in zip(((0, 64), (64, 256)), perplexities)
+    ]
+    positions = {"buckets": buckets, "tokens": 512, "seconds": seconds}
+    if passkey is None:
+        return {"positions": positions, "passkey": None}
+    lengths = {"1024": {"accuracy": passkey, "correct": int(passkey * 4), "trials": 4, "tokens": 4064, "seconds": 9}}
+    return {"positions": positions, "passkey": {"lengths": lengths}}
+
+
+def test_table_gives_each_model_beside_the_reference():
+    results = {"original": _result([10.0, 8.0], 1.0), "trained": _result([15.0, 12.0], 0.25)}
+    text = comparison_tables(results, "original")
+    assert "0-64: 126, 64-256: 384; in brackets the ratio to original" in text
+    assert "| original | 10.00 | 8.00 | 512 | 3 s |" in text
+    assert "| trained | 15.00 (1.50x) | 12.00 (1.50x) | 512 | 3 s |" in text
+    assert "| trained | 25% (1/4; 4k tok, 9 s) |" in text
+
+
+def test_table_without_passkey_has_no_passkey_section():
+    assert "Passkey" not in comparison_tables({"original": _result([10.0, 8.0])}, "original")
+
+
+@pytest.mark.parametrize("names", [("original",), ("original", "trained")], ids=["one-model", "two-models"])
+def test_plot_is_written(tmp_path, names):
+    results = {name: _result([10.0 + i, 8.0 + i]) for i, name in enumerate(names)}
+    plot_positions(results, "original", tmp_path / "plot.png", title="t")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sequences": 0}, "sequences=0 is not allowed"),
+        ({"trials": -1}, "trials=-1 is not allowed"),
+        ({"buckets": ((0, 64), (0, 128))}, r"bucket \(0, 128\) starts before"),
+    ],
+    ids=["sequences", "trials", "overlap"],
+)
+def test_settings_refuse_bad_values_when_built(kwargs, message):
+    with pytest.raises(UserInputError, match=message):
+        LongContextSettings(**kwargs)

@@ -1,0 +1,136 @@
+"""The data-dependent decay of the finite state against its definition written out one query at a time
+(float64): key s enters the state at step s + W (W the window, 0 without one) and weighs
+exp(sum_{r=s+W+1..t} g_r) phi(q_t).phi(k_s) for query t; padding positions have g = 0."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.ops import attention
+
+from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
+
+
+def _phi(x, spec, weight):
+    if spec.feature_map == "elu":
+        return F.elu(x) + 1
+    projected = x @ weight
+    return torch.cat([torch.softmax(projected, -1), torch.softmax(-projected, -1)], -1)
+
+
+def naive_decayed_attention(q, k, v, spec, params, mask, log_decay, scale):
+    """One query at a time: exact exp over the window and sinks, decayed kernel beyond, softmax normaliser."""
+    batch, heads, length, head_dim = q.shape
+    groups = heads // k.shape[1]
+    window = spec.window or 0
+    g = log_decay * mask[:, None, :]
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // groups
+            for t in range(length):
+                if not mask[b, t]:
+                    continue
+                numerator, denominator = torch.zeros(head_dim, dtype=q.dtype), torch.zeros((), dtype=q.dtype)
+                for s in range(t + 1):
+                    if not mask[b, s]:
+                        continue
+                    is_sink = spec.sinks is not None and int(mask[b, :s].sum()) < spec.sinks
+                    if t - s < window or is_sink:
+                        weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
+                    else:
+                        phi_q = _phi(q[b, h, t], spec, None if params.hedgehog_q is None else params.hedgehog_q[h])
+                        phi_k = _phi(k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv])
+                        decay = torch.exp(g[b, kv, s + window + 1 : t + 1].sum())
+                        weight = decay * scale * phi_q @ phi_k
+                        if spec.window is not None:
+                            weight = weight * params.linear_log_scale[h].exp()
+                    numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
+                out[b, h, t] = numerator / denominator
+    return out
+
+
+SPECS = {
+    "elu": AttentionSpec(kind="linear", feature_map="elu", decay=True, chunk_size=3),
+    "elu_w3": AttentionSpec(kind="linear", feature_map="elu", window=3, decay=True, chunk_size=4),
+    "hedgehog_w2_sinks2": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=2, decay=True, chunk_size=2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_modes_match_the_definition(name, mode):
+    spec = SPECS[name]
+    q, k, v, gate_logits = make_inputs(length=10)
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, 10, [0, 3])
+    log_decay = F.logsigmoid(gate_logits["decay"] + 1.0)
+    got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, params=params, gates={"decay": log_decay})
+    want = naive_decayed_attention(q, k, v, spec, params, mask.bool(), log_decay, 8**-0.5)
+    torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_zero_log_decay_is_the_spec_without_decay(name):
+    spec = SPECS[name]
+    undecayed = AttentionSpec(**{**spec.to_dict(), "decay": False})
+    q, k, v, _ = make_inputs(length=9)
+    params = as_params(make_params(spec))
+    zeros = {"decay": torch.zeros(2, 2, 9, dtype=torch.float64)}
+    for mode in ("parallel", "chunked"):
+        got, _ = attention(q, k, v, spec, mode=mode, params=params, gates=zeros)
+        want, _ = attention(q, k, v, undecayed, mode=mode, params=params)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_padding_never_decays_the_state():
+    spec = SPECS["elu_w3"]
+    q, k, v, gate_logits = make_inputs(batch=1, length=8)
+    params = as_params(make_params(spec))
+    _, gates = gated(spec, v, gate_logits)
+    pad = 3
+    padded = [torch.cat([torch.randn(*x.shape[:-2], pad, x.shape[-1], dtype=x.dtype), x], dim=-2) for x in (q, k, v)]
+    padded_gates = {"decay": torch.cat([torch.full((1, 2, pad), -5.0, dtype=torch.float64), gates["decay"]], dim=-1)}
+    mask = left_padding_mask(1, 8 + pad, [pad])
+    for mode in ("parallel", "chunked", "recurrent"):
+        out_padded, _ = attention(*padded, spec, mode=mode, attention_mask=mask, params=params, gates=padded_gates)
+        out_plain, _ = attention(q, k, v, spec, mode=mode, params=params, gates=gates)
+        torch.testing.assert_close(out_padded[..., pad:, :], out_plain, rtol=1e-9, atol=1e-10)
+
+
+def test_in_place_decoding_decays_the_passed_state():
+    spec = SPECS["elu"]
+    q, k, v, gate_logits = make_inputs(length=6)
+    params = as_params(make_params(spec))
+    _, gates = gated(spec, v, gate_logits)
+    _, state = attention(q[..., :5, :], k[..., :5, :], v[..., :5, :], spec, mode="chunked", params=params,
+                         gates={"decay": gates["decay"][..., :5]})  # fmt: skip
+    step = dict(mode="recurrent", params=params, gates={"decay": gates["decay"][..., 5:]})
+    fresh, fresh_state = attention(q[..., 5:, :], k[..., 5:, :], v[..., 5:, :], spec, state=state, **step)
+    packed = state.packed.clone()
+    state.packed = packed
+    with torch.no_grad():
+        out, new_state = attention(
+            q[..., 5:, :], k[..., 5:, :], v[..., 5:, :], spec, state=state, update_state_in_place=True, **step
+        )
+    assert new_state.packed is packed
+    torch.testing.assert_close(out, fresh)
+    torch.testing.assert_close(new_state.packed, fresh_state.packed)
+
+
+@pytest.mark.parametrize(
+    ("spec", "gates", "message"),
+    [
+        (SPECS["elu"], {}, r"has decay=True, so it takes gates\['decay'\].*and needs them"),
+        (AttentionSpec(kind="linear", feature_map="elu"), {"decay": torch.zeros(2, 2, 4)}, "only with decay=True"),
+        (SPECS["elu"], {"decay": torch.zeros(2, 4, 4)}, r"has shape \(2, 4, 4\); expected .* \[2, 2, 4\]"),
+    ],
+    ids=["missing", "unexpected", "per-query-head"],
+)
+def test_bad_decay_gates_raise(spec, gates, message):
+    q, k, v, _ = make_inputs(length=4)
+    with pytest.raises(ValueError, match=message):
+        attention(q, k, v, spec, mode="chunked", gates=gates)

@@ -1,0 +1,99 @@
+"""scripts/bench_serve.py in its quick form: a random 2-layer Llama and converted copies decoding
+batches of one prefilled sequence at two contexts; the batch search; bad settings refused."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from ..models.helpers import LLAMA_SHAPE
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+PRESETS = ["linear_elu", "hedgehog_window_64"]
+CONTEXTS = (8, 24)
+
+
+def _load_script(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serve", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config_dir(tmp_path) -> Path:
+    config_dir = tmp_path / "config"
+    LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=16).save_pretrained(config_dir)
+    return config_dir
+
+
+def test_batched_decoding_of_the_kv_model_and_converted_models(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", *PRESETS, "--contexts", *map(str, CONTEXTS)]
+    argv += ["--max-batch", "3", "--steps", "2", "--warmup", "1", "--prefill-chunk", "16", "--output", str(output)]
+    _load_script(monkeypatch).main(argv)
+    result = json.loads((output / "bench_serve.json").read_text())
+    cells = {(m["model"], m["context"]): m for m in result["measurements"]}
+    assert set(cells) == {(name, c) for name in ["transformers", *PRESETS] for c in CONTEXTS}
+    assert all(m["batch"] == 3 and m["tokens_per_s"] > 0 for m in cells.values())  # the cap: nothing runs out on CPU
+    for preset in PRESETS:  # a recurrent state does not grow with the context, a KV cache does
+        assert cells[preset, CONTEXTS[0]]["cache_bytes"] == cells[preset, CONTEXTS[1]]["cache_bytes"] > 0
+    kv = [cells["transformers", c]["cache_bytes"] for c in CONTEXTS]
+    assert kv[1] > kv[0]
+    printed = capsys.readouterr().out
+    assert "| context | transformers batch | transformers tokens/s | transformers peak GiB |" in printed
+    assert (output / "bench_serve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("fits", "cap", "tried", "found"),
+    [
+        (100, 512, [1, 2, 4, 8, 16, 32, 64, 128, 96, 112, 104], 96),
+        (1000, 512, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], 512),
+        (1000, 48, [1, 2, 4, 8, 16, 32, 48], 48),
+        (40, 48, [1, 2, 4, 8, 16, 32, 48, 40, 44], 40),
+        (0, 8, [1], None),
+    ],
+    ids=["bisected", "capped", "cap_not_a_power_of_2", "cap_misses", "nothing_fits"],
+)
+def test_largest_batch_doubles_then_bisects(monkeypatch, fits, cap, tried, found):
+    module = _load_script(monkeypatch)
+    attempts = []
+
+    def attempt(batch):
+        attempts.append(batch)
+        return module.Measurement("m", 8, batch, 1.0, 1.0, 0, None) if batch <= fits else None
+
+    result = module.largest_batch(attempt, cap)
+    assert attempts == tried
+    assert (result and result.batch) == found
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--contexts", "32", "16"], "--contexts=[32, 16] is not allowed"),
+        (["--max-batch", "0"], "--max-batch=0 is not allowed"),
+        (["--steps", "0"], "--steps=0 is not allowed"),
+        (["--presets", "nope"], "--presets nope: unknown; expected names from softmax,"),
+        (["--device", "cuda"], "--device='cuda' is not available on this machine"),
+        (["--model", "/nonexistent"], "--model='/nonexistent' is not allowed; expected a folder with a config.json"),
+    ],
+    ids=["contexts_decreasing", "max_batch_0", "steps_0", "unknown_preset", "cuda_without_gpu", "missing_config"],
+)
+def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", _must_not_load)
+    base = ["--model", str(_config_dir(tmp_path)), "--output", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script(monkeypatch).main(base + argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a bad argument must stop the script before a model is loaded")

@@ -1,0 +1,127 @@
+"""scripts/bench_train.py in its quick form: a random 2-layer Llama, the original beside converted
+models, training steps at two lengths of the same tokens per step; bad settings refused."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from ..models.helpers import LLAMA_SHAPE
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_train.py"
+PRESETS = ["linear_elu", "hedgehog_window_64"]
+LENGTHS = (16, 32)
+
+
+def _load_script(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_train", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config_dir(tmp_path) -> Path:
+    config_dir = tmp_path / "config"
+    LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=16).save_pretrained(config_dir)
+    return config_dir
+
+
+def test_training_throughput_of_the_original_and_converted_models(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", *PRESETS, "--lengths", *map(str, LENGTHS)]
+    _load_script(monkeypatch).main(argv + ["--tokens-per-step", "64", "--steps", "2", "--warmup", "1",
+                                           "--output", str(output)])  # fmt: skip
+    result = json.loads((output / "bench_train.json").read_text())
+    cells = {(m["model"], m["length"]): m for m in result["measurements"]}
+    assert set(cells) == {(name, n) for name in ["transformers", *PRESETS] for n in LENGTHS}
+    assert all(m["tokens_per_s"] > 0 and m["error"] is None for m in cells.values())
+    assert [cells["transformers", n]["batch"] for n in LENGTHS] == [64 // n for n in LENGTHS]
+    printed = capsys.readouterr().out
+    assert "| L | B | transformers tokens/s | linear_elu tokens/s | hedgehog_window_64 tokens/s |" in printed
+    assert "hedgehog_window_64 / transformers" in printed
+    assert (output / "bench_train.png").stat().st_size > 0
+
+
+def test_a_model_that_fails_is_reported_and_the_others_are_timed(tmp_path, monkeypatch, capsys):
+    module = _load_script(monkeypatch)
+    step = module.Trainer.step
+
+    def failing_step(self, ids):
+        if self.name == "linear_elu" and ids.shape[-1] == LENGTHS[1]:
+            raise RuntimeError("kernel failed")
+        return step(self, ids)
+
+    monkeypatch.setattr(module.Trainer, "step", failing_step)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", "linear_elu", "--lengths", *map(str, LENGTHS)]
+    module.main(argv + ["--tokens-per-step", "64", "--steps", "1", "--warmup", "1", "--output", str(output)])
+    cells = {
+        (m["model"], m["length"]): m for m in json.loads((output / "bench_train.json").read_text())["measurements"]
+    }
+    assert cells["linear_elu", LENGTHS[1]]["error"] == "error: RuntimeError"
+    assert cells["linear_elu", LENGTHS[1]]["tokens_per_s"] is None
+    assert all(m["tokens_per_s"] > 0 for key, m in cells.items() if key != ("linear_elu", LENGTHS[1]))
+    assert "error: RuntimeError" in capsys.readouterr().out
+
+
+def test_training_steps_change_the_weights_of_every_model(tmp_path, monkeypatch):
+    module = _load_script(monkeypatch)
+    config = LlamaConfig(**LLAMA_SHAPE)
+    from transformers import LlamaForCausalLM
+
+    from hf_softmax_rnn.convert import convert
+
+    base = LlamaForCausalLM(config)
+    trainer = module.Trainer(
+        "linear_elu", convert(base, "linear_elu", attention_mode="chunked"), module.torch.device("cpu")
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    ids = module.torch.randint(0, config.vocab_size, (2, 8))
+    assert trainer.step(ids) > 0
+    changed = [not module.torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())]
+    assert all(changed)
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lengths", "48"], "--lengths=[48] is not allowed; expected increasing lengths that divide"),
+        (["--lengths", "32", "16"], "--lengths=[32, 16] is not allowed"),
+        (["--tokens-per-step", "0"], "--tokens-per-step=0 is not allowed"),
+        (["--steps", "0"], "--steps=0 is not allowed"),
+        (["--layers", "0"], "--layers=0 is not allowed"),
+        (["--presets", "linear_elu", "nope"], "--presets nope: unknown; expected names from softmax,"),
+        (["--device", "cuda"], "--device='cuda' is not available on this machine"),
+        (["--model", "/nonexistent"], "--model='/nonexistent' is not allowed; expected a folder with a config.json"),
+    ],
+    ids=[
+        "length_not_dividing",
+        "lengths_decreasing",
+        "tokens_0",
+        "steps_0",
+        "layers_0",
+        "unknown_preset",
+        "cuda_without_gpu",
+        "missing_config",
+    ],  # fmt: skip
+)
+def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", _must_not_load)
+    base = ["--model", str(_config_dir(tmp_path)), "--tokens-per-step", "64", "--lengths", "16"]
+    base += ["--output", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script(monkeypatch).main(base + argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a bad argument must stop the script before a model is loaded")
