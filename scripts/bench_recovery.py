@@ -159,7 +159,9 @@ def run_row(args: argparse.Namespace, name: str, workdir: Path, long_eval=None) 
     if preset is None or name == "window_only":
         config = _settings(args, preset or "hedgehog_window_64", str(workdir / name))
         finetuner = Finetuner(config)
-        model = finetuner.base_model if preset is None else _window_only(finetuner.converted)
+        model = (finetuner.base_model if preset is None else _window_only(finetuner.converted)).to(
+            finetuner.accelerator.device
+        )
         start = time.perf_counter()
         evaluation = finetuner.evaluate(model, "converted")
         return {

@@ -144,11 +144,8 @@ def _check_tensors(q, k, v) -> None:
                 f"attention: {name} has dtype {tensor.dtype}; expected a real floating dtype "
                 "(float32, float64, bfloat16, float16)"
             )
-    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
-        raise ValueError(
-            f"attention: q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
-            f"{v.dtype}/{v.device}"
-        )
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"attention: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
@@ -303,6 +300,8 @@ def attention(
     spec = AttentionSpec.coerce(spec)
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
+    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)  # autocast: fp32 q, k, bf16 v
+    q, k, v = q.to(common), k.to(common), v.to(common)
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
             f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "

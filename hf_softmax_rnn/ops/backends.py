@@ -40,6 +40,9 @@ FLA_MAX_FEATURES = 256
 #: The dtypes the fused kernels read (float64 runs the PyTorch forms).
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENV_VARIABLE = "HF_SOFTMAX_RNN_FUSED_KERNELS"
+#: `HF_SOFTMAX_RNN_FLEX=0` keeps the window part of hybrids out of FlexAttention:
+#: each new sequence length compiles FlexAttention again, which short jobs may not want to pay.
+FLEX_ENV_VARIABLE = "HF_SOFTMAX_RNN_FLEX"
 INSTALL_HINT = "pip install 'hf-softmax-rnn[gpu]'"
 logger = logging.getLogger(__name__)
 #: The device types the fused kernels run on (tests add "cpu" to run Triton's interpreter).
@@ -151,6 +154,8 @@ def window_backend(
 ) -> str | None:
     """ "flex" where the exact window part of a hybrid runs in FlexAttention (`ops.flex_window`), or None."""
     if spec.window is None or not _fused_device(device_type, dtype) or needs_state or not fresh_state:
+        return None
+    if os.environ.get(FLEX_ENV_VARIABLE, "1") == "0":
         return None
     if mode != "chunked" or head_dim not in FLEX_DIMS or value_dim not in FLEX_DIMS:
         return None

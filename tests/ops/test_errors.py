@@ -74,7 +74,6 @@ def _modified(name):
         "numpy_q": dict(q=q.numpy()),
         "int_tensors": dict(q=q.long(), k=k.long(), v=v.long()),
         "complex_tensors": dict(q=q.to(torch.complex128), k=k.to(torch.complex128), v=v.to(torch.complex128)),
-        "mixed_dtypes": dict(q=q.float()),
         "fewer_keys_than_queries": dict(k=k[:, :, :2], v=v[:, :, :2]),
         "spec_none": dict(spec=None),
         "spec_list": dict(spec=["linear_elu"]),
@@ -94,7 +93,6 @@ _BAD_ARGUMENTS = [
     ("numpy_q", TypeError, "q must be a torch.Tensor; got ndarray"),
     ("int_tensors", TypeError, "q has dtype torch.int64; expected a real floating dtype"),
     ("complex_tensors", TypeError, "q has dtype torch.complex128"),
-    ("mixed_dtypes", ValueError, "must share dtype and device"),
     ("fewer_keys_than_queries", ValueError, "got 2 keys for 4 queries"),
     ("spec_none", TypeError, "spec must be an AttentionSpec.*got None"),
     ("spec_list", TypeError, r"spec must be an AttentionSpec.*got \['linear_elu'\]"),
@@ -156,3 +154,13 @@ def test_a_state_is_accepted_by_the_spec_that_made_it_with_another_chunk_size():
     other_chunks = AttentionSpec.from_preset("linear_elu", chunk_size=2)
     _, rest = attention(q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], other_chunks, mode="chunked", state=half)
     torch.testing.assert_close(rest.packed, whole.packed)
+
+
+def test_mixed_float_dtypes_compute_in_their_promoted_dtype():
+    """Under bf16 autocast q and k leave RoPE in float32 while v is bf16: computed as float32 throughout."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
+    got, _ = attention(q, k, v, "linear_elu", mode="chunked")
+    want, _ = attention(q, k, v.float(), "linear_elu", mode="chunked")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)

@@ -198,3 +198,21 @@ def test_attention_runs_the_window_part_in_flex_where_the_backend_allows(monkeyp
     assert len(calls) == 1  # a call that hands its state on keeps the banded form
     rows = mask.bool()[:, None, :, None]
     torch.testing.assert_close(got.double() * rows, want * rows, rtol=1e-4, atol=1e-5)
+
+
+def test_the_flex_switch_keeps_the_banded_window(monkeypatch):
+    """HF_SOFTMAX_RNN_FLEX=0: a call the flex path would take runs the banded PyTorch window instead."""
+    spec = _spec("hedgehog_window_64", 4)
+    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setenv(backends.FLEX_ENV_VARIABLE, "0")
+    calls = []
+    monkeypatch.setattr(
+        importlib.import_module("hf_softmax_rnn.ops.attention"),
+        "flex_window_attention",
+        lambda *args, **kwargs: calls.append(kwargs) or flex_window_attention(*args, **kwargs),
+    )
+    q, k, v = _inputs(torch.float32)
+    params = as_params({key: x.float() for key, x in make_params(spec, HEADS, KV_HEADS, HEAD_DIM).items()})
+    with torch.no_grad():
+        attention(q, k, v, spec, mode="chunked", params=params, return_state=False)
+    assert calls == []
