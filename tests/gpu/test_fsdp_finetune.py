@@ -30,7 +30,8 @@ def _finetune(launcher: list[str], model: str, output: Path) -> tuple[dict, str]
     """(the held-out perplexities of the run's last report line, its log)."""
     flags = [item for key, value in SETTINGS.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     command = [*launcher, "-m", "hf_softmax_rnn.cli", "finetune", "--output-dir", str(output), "--model", model]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep the caller's packages
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     run = subprocess.run(command + flags, env=environment, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
