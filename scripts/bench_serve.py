@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_softmax_rnn import PRESETS
+from hf_softmax_rnn.analysis.bench_report import hardware_name, write_bench_report
 from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.errors import UserInputError
@@ -286,9 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config)
     servers = [Server(name, convert(base_model, name).eval().to(device=device, dtype=dtype)) for name in args.presets]
     servers.insert(0, Server(BASELINE, base_model.eval().to(device=device, dtype=dtype)))
-    hardware = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
-    )
+    hardware = hardware_name(device)
     title = (
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, eager, "
         f"{args.dtype}, {hardware}; largest batch <= {args.max_batch} that fits, {args.steps} timed steps"
@@ -300,16 +298,8 @@ def main(argv: list[str] | None = None) -> None:
 def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
     """OUTPUT/bench_serve.{md,json,png} for the contexts measured so far."""
     contexts = [c for c in args.contexts if any(m.context == c for m in measurements)]
-    report = "\n".join([title, "", markdown_table(measurements, contexts), "", *summary(measurements)])
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "bench_serve.md").write_text(report + "\n")
-    settings = {key: str(value) for key, value in vars(args).items()}
-    (args.output / "bench_serve.json").write_text(
-        json.dumps({"title": title, "settings": settings, "measurements": [asdict(m) for m in measurements]}, indent=2)
-        + "\n"
-    )
-    plot(measurements, args.output / "bench_serve.png", title)
-    logger.info("Wrote %s/bench_serve.{md,json,png}", args.output)
+    body = [markdown_table(measurements, contexts), "", *summary(measurements)]
+    write_bench_report(args.output, "bench_serve", title, body, measurements, vars(args), plot)
 
 
 if __name__ == "__main__":

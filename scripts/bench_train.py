@@ -23,19 +23,19 @@ at 8,192 and >= 2x at 32,768; linear_elu at least as fast.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_softmax_rnn import PRESETS
+from hf_softmax_rnn.analysis.bench_report import hardware_name, write_bench_report
 from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.errors import UserInputError
@@ -280,9 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
     trainers.insert(0, Trainer(BASELINE, base_model, device))
-    hardware = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
-    )
+    hardware = hardware_name(device)
     precision = "bfloat16 autocast" if device.type == "cuda" else "float32"
     title = (
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: training step (fwd+bwd+AdamW), "
@@ -295,16 +293,8 @@ def main(argv: list[str] | None = None) -> None:
 def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
     """OUTPUT/bench_train.{md,json,png} for the lengths measured so far."""
     lengths = [n for n in args.lengths if any(m.length == n for m in measurements)]
-    report = "\n".join([title, "", markdown_table(measurements, lengths), "", *summary(measurements)])
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "bench_train.md").write_text(report + "\n")
-    settings = {key: str(value) for key, value in vars(args).items()}
-    (args.output / "bench_train.json").write_text(
-        json.dumps({"title": title, "settings": settings, "measurements": [asdict(m) for m in measurements]}, indent=2)
-        + "\n"
-    )
-    plot(measurements, args.output / "bench_train.png", title)
-    logger.info("Wrote %s/bench_train.{md,json,png}", args.output)
+    body = [markdown_table(measurements, lengths), "", *summary(measurements)]
+    write_bench_report(args.output, "bench_train", title, body, measurements, vars(args), plot)
 
 
 if __name__ == "__main__":
