@@ -36,4 +36,4 @@ test: lint docs
 	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q
 
 test-fast: $(STAMP)
-	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q -m "not slow"
+	$(OFFLINE) $(PYTHON) -m pytest -n 2 -q -m "not slow and not gpu"
