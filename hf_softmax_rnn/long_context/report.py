@@ -147,9 +147,15 @@ def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *
     places = range(len(base))
     for name, result in results.items():
         values = [b["perplexity"] for b in result["positions"]["buckets"]]
-        curves.plot(places, values, marker="o", label=name)
-        if name != reference:
-            ratios.plot(places, [v / r["perplexity"] for v, r in zip(values, base)], marker="o", label=name)
+        (line,) = curves.plot(places, values, marker="o", label=name)
+        if name != reference:  # the same colour in both panels
+            ratios.plot(
+                places,
+                [v / r["perplexity"] for v, r in zip(values, base)],
+                marker="o",
+                label=name,
+                color=line.get_color(),
+            )
     panels = [(curves, "perplexity")]
     if compared:
         ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)

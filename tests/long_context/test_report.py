@@ -38,6 +38,20 @@ def test_plot_is_written(tmp_path, names):
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
+def test_each_model_keeps_its_colour_in_both_panels(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = {name: _result([10.0 + i, 8.0 + i]) for i, name in enumerate(("original", "a", "b"))}
+    plot_positions(results, "original", tmp_path / "plot.png")
+    curves, ratios = figures[0].axes
+    colours = {line.get_label(): line.get_color() for line in curves.get_lines()}
+    for line in ratios.get_lines():
+        if line.get_label() in ("a", "b"):
+            assert line.get_color() == colours[line.get_label()]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
