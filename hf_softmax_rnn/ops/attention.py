@@ -293,6 +293,8 @@ def attention(
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
         return_state)`.
     """
+    if not isinstance(spec, AttentionSpec) and type(spec).__name__ == AttentionSpec.__name__:
+        spec = AttentionSpec.from_dict(spec.to_dict())  # another copy of this module (remote code loads one)
     if not isinstance(spec, (AttentionSpec, str, dict)):
         raise TypeError(
             f"attention: spec must be an AttentionSpec, a dict of its fields or a preset name; got {spec!r}"
