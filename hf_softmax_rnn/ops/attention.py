@@ -126,6 +126,8 @@ def check_padding_mask(attention_mask, name: str = "attention_mask") -> None:
         raise TypeError(f"{name} must be a torch.Tensor of 0/1 or bools; got {type(attention_mask).__name__}")
     if attention_mask.dtype == torch.bool or attention_mask.device.type == "meta" or torch.compiler.is_compiling():
         return
+    if attention_mask.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph cannot read values
+        return
     if attention_mask.is_complex():
         raise TypeError(f"{name} must hold 0/1 or bools; got dtype {attention_mask.dtype}")
     bad = (attention_mask != 0) & (attention_mask != 1)
