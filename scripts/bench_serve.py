@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_softmax_rnn import PRESETS
-from hf_softmax_rnn.analysis.bench_report import hardware_name, write_bench_report
+from hf_softmax_rnn.analysis.bench_report import hardware_name, plot_panels, write_bench_report
 from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.errors import UserInputError
@@ -205,27 +205,13 @@ def summary(measurements: list[Measurement]) -> list[str]:
 
 
 def plot(measurements: list[Measurement], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_rate, ax_batch) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(m.model for m in measurements):
-        rows = [m for m in measurements if m.model == name]
-        ax_rate.plot([m.context for m in rows], [m.tokens_per_s for m in rows], marker="o", label=name)
-        ax_batch.plot([m.context for m in rows], [m.batch for m in rows], marker="o", label=name)
-    for ax, ylabel in ((ax_rate, "decoded tokens/s, all sequences"), (ax_batch, "largest batch that fits")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    models = {
+        name: [m for m in measurements if m.model == name] for name in dict.fromkeys(m.model for m in measurements)
+    }
+    rate = {name: ([m.context for m in rows], [m.tokens_per_s for m in rows]) for name, rows in models.items()}
+    batch = {name: ([m.context for m in rows], [m.batch for m in rows]) for name, rows in models.items()}
+    panels = [("decoded tokens/s, all sequences", rate), ("largest batch that fits", batch)]
+    plot_panels(path, title, "context length (tokens)", panels, log_y=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

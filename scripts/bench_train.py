@@ -35,7 +35,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_softmax_rnn import PRESETS
-from hf_softmax_rnn.analysis.bench_report import hardware_name, write_bench_report
+from hf_softmax_rnn.analysis.bench_report import hardware_name, plot_panels, write_bench_report
 from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.errors import UserInputError
@@ -197,27 +197,15 @@ def summary(measurements: list[Measurement]) -> list[str]:
 
 
 def plot(measurements: list[Measurement], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_rate, ax_memory) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(m.model for m in measurements):
-        rows = [m for m in measurements if m.model == name and m.tokens_per_s is not None]
-        ax_rate.plot([m.length for m in rows], [m.tokens_per_s for m in rows], marker="o", label=name)
-        memory = [m for m in rows if m.peak_bytes is not None]
-        ax_memory.plot([m.length for m in memory], [m.peak_bytes / 2**30 for m in memory], marker="o", label=name)
-    for ax, ylabel in ((ax_rate, "training tokens/s (fwd+bwd+AdamW)"), (ax_memory, "peak memory (GiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length L (same tokens per step)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    timed = [m for m in measurements if m.tokens_per_s is not None]
+    models = {name: [m for m in timed if m.model == name] for name in dict.fromkeys(m.model for m in measurements)}
+    rate = {name: ([m.length for m in rows], [m.tokens_per_s for m in rows]) for name, rows in models.items()}
+    memory = {
+        name: ([m.length for m in rows if m.peak_bytes], [m.peak_bytes / 2**30 for m in rows if m.peak_bytes])
+        for name, rows in models.items()
+    }
+    panels = [("training tokens/s (fwd+bwd+AdamW)", rate), ("peak memory (GiB)", memory)]
+    plot_panels(path, title, "sequence length L (same tokens per step)", panels)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

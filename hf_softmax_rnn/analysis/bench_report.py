@@ -41,3 +41,33 @@ def write_bench_report(
     (output / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     plot(measurements, output / f"{stem}.png", title)
     logger.info("Wrote %s/%s.{md,json,png}", output, stem)
+
+
+def plot_panels(
+    path: Path,
+    title: str,
+    xlabel: str,
+    panels: Sequence[tuple[str, dict[str, tuple[list, list]]]],
+    log_y: bool = False,
+) -> None:
+    """One panel per (ylabel, {model: (x values, y values)}), side by side, x on a log2 scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for axis, (ylabel, series) in zip(axes[0], panels):
+        for name, (xs, ys) in series.items():
+            axis.plot(xs, ys, marker="o", label=name)
+        axis.set_xscale("log", base=2)
+        if log_y:
+            axis.set_yscale("log", base=2)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
