@@ -31,11 +31,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hf_softmax_rnn import PRESETS
-from hf_softmax_rnn.analysis.bench_report import hardware_name, plot_panels, write_bench_report
-from hf_softmax_rnn.analysis.small_models import resolve_device
+from hf_softmax_rnn.analysis.bench_report import (
+    check_model_flags,
+    device_or_exit,
+    hardware_name,
+    plot_panels,
+    write_bench_report,
+)
 from hf_softmax_rnn.convert import convert
-from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger("bench_serve")
@@ -241,29 +244,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Stops with one line (exit status 2) on a setting that is not allowed, before anything is loaded."""
-    for flag in ("max_batch", "steps", "warmup", "prefill_chunk"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
-    if args.layers is not None and args.layers < 1:
-        parser.error(f"--layers={args.layers} is not allowed; expected an int >= 1")
+    check_model_flags(parser, args, ("max_batch", "steps", "warmup", "prefill_chunk"))
     if sorted(set(args.contexts)) != args.contexts or args.contexts[0] < 1:
         parser.error(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
-    unknown = [name for name in args.presets if name not in PRESETS]
-    if unknown:
-        parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
-    if not (args.model / "config.json").is_file():
-        parser.error(f"--model={str(args.model)!r} is not allowed; expected a folder with a config.json")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:  # what this machine has, apart from parse_args (which checks GPU commands anywhere)
-        resolve_device(args.device)
-    except UserInputError as error:
-        print(f"bench_serve.py: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
+    device = device_or_exit("bench_serve.py", args.device)  # parse_args checks GPU commands anywhere
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     config = AutoConfig.from_pretrained(args.model)
     config.max_position_embeddings = max(config.max_position_embeddings, args.contexts[-1] + args.warmup + args.steps)
     if args.layers is not None:

@@ -1,10 +1,13 @@
-"""What the benchmark scripts share: the name of the hardware they ran on, and their report files
-(`<stem>.md` with the table, `<stem>.json` with every measurement and the settings, `<stem>.png`)."""
+"""What the whole-model benchmark scripts share: the checks of their common flags, the device, the
+name of the hardware they ran on, and their report files (`<stem>.md` with the table, `<stem>.json`
+with every measurement and the settings, `<stem>.png`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +16,36 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: Sequence[str]) -> None:
+    """Stop with one line (exit status 2) on `counts` flags below 1, --layers below 1, an unknown preset
+    or a --model folder without a config.json, before anything is loaded."""
+    from hf_softmax_rnn.attention_spec import PRESETS
+
+    for flag in counts:
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers} is not allowed; expected an int >= 1")
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model={str(args.model)!r} is not allowed; expected a folder with a config.json")
+
+
+def device_or_exit(script: str, name: str) -> torch.device:
+    """`name` as a device this machine has, or one line (exit status 2) saying why not."""
+    from hf_softmax_rnn.analysis.small_models import resolve_device
+    from hf_softmax_rnn.errors import UserInputError
+
+    try:
+        resolve_device(name)
+    except UserInputError as error:
+        print(f"{script}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+    return torch.device(name)
 
 
 def hardware_name(device: torch.device) -> str:
