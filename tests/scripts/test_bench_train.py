@@ -1,33 +1,25 @@
 """scripts/bench_train.py in its quick form: a random 2-layer Llama, the original beside converted
 models, training steps at two lengths of the same tokens per step; bad settings refused."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
 
 from ..models.helpers import LLAMA_SHAPE
+from .helpers import load_script, tiny_config_dir
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_train.py"
 PRESETS = ["linear_elu", "hedgehog_window_64"]
 LENGTHS = (16, 32)
 
 
 def _load_script(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_train", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_train", monkeypatch)
 
 
 def _config_dir(tmp_path) -> Path:
-    config_dir = tmp_path / "config"
-    LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=16).save_pretrained(config_dir)
-    return config_dir
+    return tiny_config_dir(tmp_path, max_positions=16)
 
 
 def test_training_throughput_of_the_original_and_converted_models(tmp_path, monkeypatch, capsys):
