@@ -10,46 +10,7 @@ from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
-
-
-def _phi(x, spec, weight):
-    if spec.feature_map == "elu":
-        return F.elu(x) + 1
-    projected = x @ weight
-    return torch.cat([torch.softmax(projected, -1), torch.softmax(-projected, -1)], -1)
-
-
-def naive_decayed_attention(q, k, v, spec, params, mask, log_decay, scale):
-    """One query at a time: exact exp over the window and sinks, decayed kernel beyond, softmax normaliser."""
-    batch, heads, length, head_dim = q.shape
-    groups = heads // k.shape[1]
-    window = spec.window or 0
-    g = log_decay * mask[:, None, :]
-    out = torch.zeros_like(q)
-    for b in range(batch):
-        for h in range(heads):
-            kv = h // groups
-            for t in range(length):
-                if not mask[b, t]:
-                    continue
-                numerator, denominator = torch.zeros(head_dim, dtype=q.dtype), torch.zeros((), dtype=q.dtype)
-                for s in range(t + 1):
-                    if not mask[b, s]:
-                        continue
-                    is_sink = spec.sinks is not None and int(mask[b, :s].sum()) < spec.sinks
-                    if t - s < window or is_sink:
-                        weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
-                    else:
-                        phi_q = _phi(q[b, h, t], spec, None if params.hedgehog_q is None else params.hedgehog_q[h])
-                        phi_k = _phi(k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv])
-                        decay = torch.exp(g[b, kv, s + window + 1 : t + 1].sum())
-                        weight = decay * scale * phi_q @ phi_k
-                        if spec.window is not None:
-                            weight = weight * params.linear_log_scale[h].exp()
-                    numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
-                out[b, h, t] = numerator / denominator
-    return out
-
+from .test_window import naive_window_attention
 
 SPECS = {
     "elu": AttentionSpec(kind="linear", feature_map="elu", decay=True, chunk_size=3),
@@ -69,7 +30,7 @@ def test_modes_match_the_definition(name, mode):
     mask = left_padding_mask(2, 10, [0, 3])
     log_decay = F.logsigmoid(gate_logits["decay"] + 1.0)
     got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, params=params, gates={"decay": log_decay})
-    want = naive_decayed_attention(q, k, v, spec, params, mask.bool(), log_decay, 8**-0.5)
+    want = naive_window_attention(q, k, v, spec, params, mask.bool(), 8**-0.5, log_decay)
     torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
 
 

@@ -27,10 +27,15 @@ def _phi(x, spec, weight):
     raise AssertionError(spec)
 
 
-def naive_window_attention(q, k, v, spec, params, mask, scale):
-    """One query at a time, no shift, no state, no chunks: the definition."""
+def naive_window_attention(q, k, v, spec, params, mask, scale, log_decay=None):
+    """One query at a time, no shift, no state, no chunks: the definition. Without a window every key
+    goes through the kernel; with `log_decay` `[B, Hkv, L]` key s weighs exp(sum_{r=s+W+1..t} g_r)
+    times the kernel (it enters the state at step s + W and decays from there; padding has g = 0)."""
     batch, heads, length, head_dim = q.shape
     groups = heads // k.shape[1]
+    window = spec.window or 0
+    g = None if log_decay is None else log_decay * mask[:, None, :]
+    linear_weight = params.linear_log_scale.exp() if spec.window is not None else torch.ones(heads, dtype=q.dtype)
     out = torch.zeros_like(q)
     for b in range(batch):
         for h in range(heads):
@@ -43,15 +48,20 @@ def naive_window_attention(q, k, v, spec, params, mask, scale):
                     if not mask[b, s]:
                         continue
                     is_sink = spec.sinks is not None and int(mask[b, :s].sum()) < spec.sinks
-                    if t - s < spec.window or is_sink:
+                    if t - s < window or is_sink:
                         weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
-                    elif spec.uses_taylor:
-                        x = scale * q[b, h, t] @ k[b, kv, s]
-                        weight = params.linear_log_scale[h].exp() * sum(x**n / math.factorial(n) for n in range(3))
                     else:
-                        phi_q = _phi(q[b, h, t], spec, None if params.hedgehog_q is None else params.hedgehog_q[h])
-                        phi_k = _phi(k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv])
-                        weight = params.linear_log_scale[h].exp() * scale * phi_q @ phi_k
+                        if spec.uses_taylor:
+                            x = scale * q[b, h, t] @ k[b, kv, s]
+                            kernel = sum(x**n / math.factorial(n) for n in range(3))
+                        else:
+                            phi_q = _phi(q[b, h, t], spec, None if params.hedgehog_q is None else params.hedgehog_q[h])
+                            phi_k = _phi(
+                                k[b, kv, s], spec, None if params.hedgehog_k is None else params.hedgehog_k[kv]
+                            )
+                            kernel = scale * phi_q @ phi_k
+                        decay = 1.0 if g is None else torch.exp(g[b, kv, s + window + 1 : t + 1].sum())
+                        weight = linear_weight[h] * decay * kernel
                     numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
                 out[b, h, t] = (
                     numerator / denominator if spec.normalizer == "softmax" else F.normalize(numerator, dim=0)
