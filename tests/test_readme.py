@@ -1,9 +1,11 @@
 """The code blocks of the README and of the guide's pages (docs/*.md) work.
 
-- ```python blocks run, one fresh process per `## ` section of a file (a section's blocks in order, since
-  later ones use earlier names), in a temporary folder. Names a block leaves to the reader (`llama_model`,
-  `tokenizer`, `prompts`, `texts`) and `TINY_LLAMA` (the folder of a tiny random Llama) come from
-  `PREAMBLE`.
+- ```python blocks run, one fresh namespace per `## ` section of a file (a section's blocks in order, since
+  later ones use earlier names), in a temporary folder, in the test's own process (a fresh interpreter per
+  section would spend most of its time importing transformers again). Names a block leaves to the reader
+  (`llama_model`, `tokenizer`, `prompts`, `texts`) and `TINY_LLAMA` (the folder of a tiny random Llama) come
+  from `PREAMBLE`; what a block may change outside its namespace (the working folder, the random state, the
+  Auto-class registration of the model classes) is restored after it.
 - ```bash blocks: every command line is parsed by the parser of the command it names (`hf-softmax-rnn`
   subcommands, `accelerate launch -m hf_softmax_rnn.cli`, the scripts, `make` targets, `pip install` of
   this package's extras), and the finetune settings are validated; lines named by a `run` comment are
@@ -20,18 +22,17 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
-from hf_softmax_rnn import cli
+from hf_softmax_rnn import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, cli
 from hf_softmax_rnn.training import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +42,7 @@ DOC_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 DIRECTIVE = re.compile(r"<!-- test: (\w+) (.*) -->$")
 LINE_PREFIX = re.compile(r"^(?:[A-Z_]+=\S+\s+)*")  # environment assignments before a command
 
-PREAMBLE = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
+PREAMBLE = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from tests.training.helpers import word_tokenizer
@@ -114,30 +113,39 @@ PYTHON_SECTIONS = list(dict.fromkeys((block.source, block.section) for block in 
 BASH_BLOCKS = [block for block in BLOCKS if block.language == "bash"]
 
 
-def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1"}
-    script = cwd / "readme_section.py"
-    script.write_text(PREAMBLE + "\n" + code)
-    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def section_sandbox(tmp_path, monkeypatch):
+    """Run a section in `tmp_path` offline, and undo what its blocks may change outside their namespace."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_EVALUATE_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    with torch.random.fork_rng(devices=[]):
+        yield
+    for model_class in (SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM):
+        model_class._auto_class = None
+
+
+def run_python(code: str, name: str) -> None:
+    """Execute the preamble and `code` in a fresh namespace; an error names the section and the failing line."""
+    exec(compile(PREAMBLE + "\n" + code, name, "exec"), {"__name__": "__main__"})
 
 
 @pytest.mark.parametrize(
     "source, section", PYTHON_SECTIONS, ids=[f"{source}: {section}" for source, section in PYTHON_SECTIONS]
 )
-def test_python_blocks_of_each_section_run(source, section, tmp_path):
+def test_python_blocks_of_each_section_run(source, section, section_sandbox):
     code = "".join(
         block.code
         for block in BLOCKS
         if block.language == "python" and (block.source, block.section) == (source, section)
     )
-    result = run_python(code, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_python(code, f"<{source}: {section}>")
 
 
-def test_a_broken_python_block_fails(tmp_path):
+def test_a_broken_python_block_fails(section_sandbox):
     first = next(block for block in BLOCKS if block.language == "python" and "AttentionSpec.from_preset" in block.code)
-    result = run_python(first.code.replace("from_preset", "from_preset_renamed"), tmp_path)
-    assert result.returncode != 0 and "from_preset_renamed" in result.stderr
+    with pytest.raises(AttributeError, match="from_preset_renamed"):
+        run_python(first.code.replace("from_preset", "from_preset_renamed"), "<broken block>")
 
 
 # ------------------------------------------------------------------------------------------ bash blocks
