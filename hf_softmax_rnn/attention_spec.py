@@ -320,9 +320,9 @@ class AttentionSpec:
         size = self.state_bytes(head_dim)
         if size > max_state_bytes:
             raise ValueError(
-                f"mode={mode!r}: the order-{self.taylor_order} Taylor state for head_dim={head_dim} needs "
-                f"{size:,} bytes per KV head ({self.feature_dim(head_dim):,} features), above the limit of "
-                f"{max_state_bytes:,} bytes; use mode='parallel' or a lower taylor_order"
+                f"mode={mode!r} needs a state of {size:,} bytes per KV head ({self.feature_dim(head_dim):,} "
+                f"features) for {self.describe()} at head_dim={head_dim}, above max_state_bytes={max_state_bytes:,}; "
+                "use mode='parallel'" + (" or a lower taylor_order" if self.taylor_order is not None else "")
             )
 
     def fits_recurrent_state(self, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> bool:

@@ -69,9 +69,9 @@ def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str,
         )
     chosen = list(layers)
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
-    if bad or not chosen:
+    if bad or not chosen or len(set(chosen)) < len(chosen):
         raise ValueError(
-            f"convert(layers={chosen!r}): expected a non-empty list of layer indices in 0..{num_layers - 1}"
+            f"convert(layers={chosen!r}): expected a non-empty list of distinct layer indices in 0..{num_layers - 1}"
         )
     return {str(i): "softmax" for i in range(num_layers) if i not in set(chosen)}
 

@@ -60,10 +60,22 @@ def sliding_windows(num_tokens: int, max_length: int, stride: int) -> list[Windo
     return windows
 
 
-def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> list[int]:
-    """Token ids of `texts` joined into one stream, each text followed by EOS when `add_eos`."""
+def check_texts(texts: Sequence[str]) -> None:
+    """Refuse anything but a non-empty sequence of strings (a single string is not a list of texts)."""
     if isinstance(texts, str):
         raise TypeError("texts must be a list of strings, not a single string; wrap it as [text]")
+    if not isinstance(texts, Sequence):
+        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
+    if not texts:
+        raise ValueError("texts=[] is empty; pass at least one text")
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise TypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}; expected every text to be a string")
+
+
+def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> list[int]:
+    """Token ids of `texts` joined into one stream, each text followed by EOS when `add_eos`."""
+    check_texts(texts)
     if add_eos and tokenizer.eos_token_id is None:
         raise ValueError("add_eos=True needs a tokenizer with an eos_token_id; pass add_eos=False")
     suffix = [tokenizer.eos_token_id] if add_eos else []
@@ -109,6 +121,12 @@ def stream_nll(
         raise ValueError(f"batch_size={batch_size} is not allowed; expected an int >= 1")
     ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
     max_length = _default_max_length(model) if max_length is None else max_length
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise ValueError(
+            f"max_length={max_length} is more than the model's {limit} positions (config.max_position_embeddings); "
+            f"expected at most {limit}"
+        )
     stride = max(1, max_length // 2) if stride is None else stride
     windows = sliding_windows(ids.numel(), max_length, stride)
     device = next(model.parameters()).device

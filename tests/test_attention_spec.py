@@ -132,7 +132,7 @@ def test_taylor_feature_dim_is_the_count_of_monomials(order):
 def test_the_largest_taylor_order_states_its_size_quickly():
     spec = AttentionSpec(kind="recurrent_softmax", taylor_order=1024, normalizer="l2")
     assert not spec.fits_recurrent_state(64)
-    with pytest.raises(ValueError, match=r"order-1024 Taylor state for head_dim=64 needs [\d,]+ bytes"):
+    with pytest.raises(ValueError, match=r"state of [\d,]+ bytes per KV head .*order-1024 Taylor .* at head_dim=64"):
         spec.check_mode("chunked", 64)
 
 

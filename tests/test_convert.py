@@ -154,9 +154,11 @@ def test_unsupported_models_raise(source, error, message):
         convert(source(), "linear_elu")
 
 
-@pytest.mark.parametrize("layers", [[3], [-1], [], ["0"]], ids=["out-of-range", "negative", "empty", "string"])
+@pytest.mark.parametrize(
+    "layers", [[3], [-1], [], ["0"], [0, 0]], ids=["out-of-range", "negative", "empty", "string", "repeated"]
+)
 def test_bad_layer_lists_raise(layers):
-    with pytest.raises(ValueError, match="expected a non-empty list of layer indices in 0..2"):
+    with pytest.raises(ValueError, match="expected a non-empty list of distinct layer indices in 0..2"):
         convert(SOURCES["llama"](), "linear_elu", layers=layers)
 
 

@@ -111,8 +111,27 @@ def test_bad_arguments_are_rejected(llama, tokenizer, kwargs, match):
         perplexity(llama, tokenizer, TEXTS, progress=False, **kwargs)
 
 
-def test_single_string_and_too_short_stream_are_rejected(llama, tokenizer):
-    with pytest.raises(TypeError, match="list of strings"):
-        perplexity(llama, tokenizer, "one text", progress=False)
+@pytest.mark.parametrize(
+    "texts,error,match",
+    [
+        ("one text", TypeError, "not a single string"),
+        (None, TypeError, "got NoneType"),
+        ([], ValueError, r"texts=\[\] is empty"),
+        (["a text", 3], TypeError, r"texts\[1\] is a int"),
+    ],
+    ids=["string", "none", "empty", "not-a-string"],
+)
+def test_texts_that_are_not_a_list_of_strings_are_rejected(llama, tokenizer, texts, error, match):
+    with pytest.raises(error, match=match):
+        perplexity(llama, tokenizer, texts, progress=False)
+
+
+def test_windows_longer_than_the_models_positions_are_rejected(llama, tokenizer):
+    limit = llama.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_length={limit + 1} is more than the model's {limit} positions"):
+        perplexity(llama, tokenizer, TEXTS, max_length=limit + 1, progress=False)
+
+
+def test_too_short_stream_is_rejected(llama):
     with pytest.raises(ValueError, match="num_tokens=1"):
         stream_nll(llama, [5], progress=False)

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.evaluation import next_token_nll
+from hf_softmax_rnn.evaluation import check_texts, next_token_nll
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ def eval_sequences(
 ) -> torch.Tensor:
     """Token ids `[N, length]` from `texts` (one per document, or joined with EOS when `join`);
     documents are tokenised only until `num_sequences` sequences are filled (None: all of them)."""
-    if isinstance(texts, str):
-        raise TypeError("texts must be a list of strings, not a single string; wrap it as [text]")
+    check_texts(texts)
     check_count("num_sequences", num_sequences)
     eos = [tokenizer.eos_token_id] if join and tokenizer.eos_token_id is not None else []
     sequences, stream, seen = [], [], 0
@@ -205,6 +204,7 @@ def position_perplexity(
     lower bound).
     """
     buckets = check_buckets(buckets)
+    check_count("slice_size", slice_size)
     length = buckets[-1][1]
     check_positions(model, length, "bucket end")
     sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)

@@ -111,7 +111,45 @@ def _check_inputs_hook(model, args, kwargs) -> None:
     attention_mask = inputs.get("attention_mask")
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         check_padding_mask(attention_mask)
+        tokens = inputs.get("input_ids")
+        tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+            check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
     check_positions(inputs.get("position_ids"), attention_mask)
+
+
+def check_mask_shape(attention_mask: torch.Tensor, batch: int, length: int) -> None:
+    """A 2-D padding mask has a row per sequence and a column per position up to the last input token
+    (the cached ones, then the `length` new ones): at least `length` columns."""
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+        raise ValueError(
+            f"attention_mask has shape {list(attention_mask.shape)} for {batch} sequences of {length} new tokens; "
+            f"expected [{batch}, cached + {length}] (one column per position, 1 = token, 0 = padding)"
+        )
+
+
+def check_prompt_padding(attention_mask: torch.Tensor, prompt: torch.Tensor) -> None:
+    """`generate` continues each row after its last column, so a prompt's padding must be on the left
+    and every row must hold a token; right padding or an empty row raises (transformers only warns)."""
+    check_padding_mask(attention_mask)
+    check_mask_shape(attention_mask, prompt.shape[0], prompt.shape[-1])
+    if attention_mask.shape[1] != prompt.shape[-1]:
+        raise ValueError(
+            f"attention_mask has {attention_mask.shape[1]} columns for a prompt of {prompt.shape[-1]} tokens; "
+            "expected one column per prompt token"
+        )
+    present = attention_mask.bool()
+    empty = (~present.any(dim=1)).nonzero()
+    if len(empty):
+        raise ValueError(
+            f"attention_mask row {empty[0].item()} masks every prompt token; give each row at least one token"
+        )
+    right_padded = (~present[:, -1]).nonzero()
+    if len(right_padded):
+        raise ValueError(
+            f"attention_mask row {right_padded[0].item()} ends in padding: generate continues every row after its "
+            "last column, so pad prompts on the left (tokenizer.padding_side = 'left')"
+        )
 
 
 class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
@@ -160,8 +198,9 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
             self._refuses_attention_weights = True
 
     def generate(self, *args, **kwargs):
-        """transformers' `generate`; refuses an empty prompt, attention weights and a cache it cannot
-        decode from, each with a message instead of an error from deep inside.
+        """transformers' `generate`; refuses an empty prompt, a prompt mask that is right-padded, has a
+        row without tokens or does not fit the prompt, attention weights and a cache it cannot decode
+        from, each with a message instead of an error from deep inside or a wrong continuation.
 
         `cache_implementation`: None / "dynamic" (any model), or "static" when every layer has a
         recurrent state (a `StaticCache` of `StaticRecurrentStateLayer`s, updated in place, which
@@ -170,6 +209,9 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
         prompt = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(prompt, torch.Tensor) and prompt.shape[-1] == 0:
             raise ValueError("generate got an empty prompt (input_ids with 0 tokens); pass at least one token")
+        attention_mask = kwargs.get("attention_mask")
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and isinstance(attention_mask, torch.Tensor):
+            check_prompt_padding(attention_mask, prompt)
         config = kwargs.get("generation_config") or self.generation_config
         implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
         self._check_cache_implementation(implementation)

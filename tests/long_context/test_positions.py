@@ -113,6 +113,22 @@ def test_texts_shorter_than_the_buckets_are_refused(join, message, byte_tok):
         position_perplexity(tiny_llama(), byte_tok, TEXTS, ((0, 400),), num_sequences=9, join=join, progress=False)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(slice_size=0), UserInputError, "slice_size=0 is not allowed"),
+        (dict(texts=None), TypeError, "texts must be a list of strings, got NoneType"),
+        (dict(texts=[]), ValueError, "texts=\\[\\] is empty"),
+    ],
+    ids=["slice-zero", "texts-none", "texts-empty"],
+)
+def test_bad_arguments_are_refused_before_scoring(kwargs, error, message, byte_tok, monkeypatch):
+    model = tiny_llama()
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(error, match=message):
+        position_perplexity(model, byte_tok, **{"texts": TEXTS, "buckets": ((0, 64),), "progress": False, **kwargs})
+
+
 @pytest.mark.parametrize("edges", [[0], [0, 64, 64], [64, 0]], ids=["one", "repeated", "decreasing"])
 def test_bad_bucket_edges_are_refused(edges):
     with pytest.raises(UserInputError, match=r"bucket edges \["):

@@ -220,6 +220,38 @@ def test_generate_refuses_what_it_cannot_do_with_a_message(family, settings, mes
         model.generate(**inputs, **settings, max_new_tokens=2)
 
 
+def _right_padded(ids, mask):
+    return torch.stack([row.roll(-int((m == 0).sum())) for row, m in zip(ids, mask)]), mask.flip(1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (_right_padded, "row 1 ends in padding: generate continues every row after its last column"),
+        (lambda ids, mask: (ids, mask * torch.tensor([[1], [0]])), "row 1 masks every prompt token"),
+        (lambda ids, mask: (ids, mask[:, 2:]), r"shape \[2, 8\] for 2 sequences of 10 new tokens"),
+        (lambda ids, mask: (ids, torch.cat([mask, mask[:, :1]], 1)), "11 columns for a prompt of 10 tokens"),
+    ],
+    ids=["right-padded", "empty-row", "short-mask", "long-mask"],
+)
+def test_generate_refuses_prompt_masks_it_would_continue_wrongly(family, prompt, message):
+    """transformers only warns about right padding, and continues every row after its last column,
+    padding included; an empty row or a mask of another width has no right continuation either."""
+    model = tiny_model(family, "hedgehog_window_64_sinks_4_decay")
+    ids, mask = prompt(*left_padded_batch())
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+def test_forward_refuses_a_mask_with_fewer_columns_than_tokens(family):
+    model = tiny_model(family, "linear_elu")
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[2, 9\] for 2 sequences of 10 new tokens"):
+        model(ids, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[1, 10\] for 2 sequences"):
+        model(ids, attention_mask=mask[:1])
+
+
 def test_forward_refuses_output_attentions_and_warns_on_eager(family, caplog, tmp_path):
     model = tiny_model(family, "linear_elu")
     ids, _ = left_padded_batch()

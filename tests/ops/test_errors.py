@@ -18,7 +18,7 @@ from .helpers import make_inputs
         (
             AttentionSpec(kind="recurrent_softmax", taylor_order=6),
             "recurrent",
-            r"order-6 Taylor state for head_dim=8 needs",
+            r"state of [\d,]+ bytes per KV head .*order-6 Taylor .* at head_dim=8",
         ),
         (AttentionSpec(kind="linear", feature_map="elu"), "sideways", "mode='sideways'"),
     ],
@@ -32,9 +32,16 @@ def test_mode_errors(spec, mode, message):
 
 def test_state_too_big_reports_bytes():
     spec = AttentionSpec(kind="recurrent_softmax", taylor_order=3, normalizer="l2")
-    with pytest.raises(ValueError, match=r"needs 12,455,300 bytes per KV head \(47,905 features\)"):
+    with pytest.raises(ValueError, match=r"state of 12,455,300 bytes per KV head \(47,905 features\)"):
         spec.check_mode("chunked", 64, max_state_bytes=1_000_000)
     assert spec.state_bytes(64) == (1 + 64 + 2080 + 45760) * 65 * 4
+
+
+def test_a_feature_map_state_too_big_names_the_map_not_a_taylor_order():
+    spec = AttentionSpec(kind="linear", feature_map="elu")
+    with pytest.raises(ValueError, match=r"16,640 bytes .* elu feature map.*use mode='parallel'$") as error:
+        spec.check_mode("recurrent", 64, max_state_bytes=1_000)
+    assert "taylor" not in str(error.value).lower()
 
 
 @pytest.mark.parametrize(
