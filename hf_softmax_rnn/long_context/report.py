@@ -134,7 +134,8 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
 
 def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
     """Perplexity per position bucket of every model and, beside it when there are several, each
-    model's ratio to `reference`."""
+    model's ratio to `reference`. A model is drawn at the buckets of `reference` it was measured on
+    (a run that stopped at 4,096 tokens beside a reference measured to 8,192)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,13 +146,15 @@ def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *
     figure, axes = plt.subplots(1, 2 if compared else 1, figsize=(11 if compared else 6, 4), squeeze=False)
     curves, ratios = axes[0, 0], axes[0, -1]
     places = range(len(base))
+    place_of = {(b["start"], b["end"]): place for place, b in enumerate(base)}
     for name, result in results.items():
-        values = [b["perplexity"] for b in result["positions"]["buckets"]]
-        (line,) = curves.plot(places, values, marker="o", label=name)
+        measured = [b for b in result["positions"]["buckets"] if (b["start"], b["end"]) in place_of]
+        at = [place_of[b["start"], b["end"]] for b in measured]
+        (line,) = curves.plot(at, [b["perplexity"] for b in measured], marker="o", label=name)
         if name != reference:  # the same colour in both panels
             ratios.plot(
-                places,
-                [v / r["perplexity"] for v, r in zip(values, base)],
+                at,
+                [b["perplexity"] / base[place]["perplexity"] for b, place in zip(measured, at)],
                 marker="o",
                 label=name,
                 color=line.get_color(),

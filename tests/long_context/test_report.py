@@ -64,3 +64,16 @@ def test_each_model_keeps_its_colour_in_both_panels(tmp_path, monkeypatch):
 def test_settings_refuse_bad_values_when_built(kwargs, message):
     with pytest.raises(UserInputError, match=message):
         LongContextSettings(**kwargs)
+
+
+def test_a_model_measured_on_fewer_buckets_is_drawn_at_the_ones_it_has(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    short = _result([15.0])  # measured on 0-64 only
+    plot_positions({"original": _result([10.0, 8.0]), "short": short}, "original", tmp_path / "plot.png")
+    curves, ratios = figures[0].axes
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ratios.lines}
+    assert drawn["short"] == ([0], [1.5])
+    assert {line.get_label(): list(line.get_xdata()) for line in curves.lines} == {"original": [0, 1], "short": [0]}
