@@ -108,6 +108,7 @@ def _check_inputs_hook(model, args, kwargs) -> None:
     the positions (no packed sequences) checked."""
     inputs = {**dict(zip(model._forward_argument_names, args)), **kwargs}
     model._refuse_attention_weights(inputs.get("output_attentions"))
+    check_token_ids(inputs.get("input_ids"), model.config.vocab_size)
     attention_mask = inputs.get("attention_mask")
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         check_padding_mask(attention_mask)
@@ -116,6 +117,26 @@ def _check_inputs_hook(model, args, kwargs) -> None:
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
     check_positions(inputs.get("position_ids"), attention_mask)
+
+
+def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
+    """Token ids are integers in [0, vocab_size): a float tensor or an id outside raises, naming it
+    (the embedding would raise an IndexError from deep inside, or fail on the device). Reads the
+    values (one reduction) only outside torch.compile and CUDA-graph capture."""
+    if not isinstance(input_ids, torch.Tensor):
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected integer token ids (torch.long)")
+    if input_ids.numel() == 0 or input_ids.device.type == "meta" or is_torchdynamo_compiling():
+        return
+    if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    outside = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(outside.any()):
+        raise ValueError(
+            f"input_ids holds {input_ids[outside][0].item()}, outside the vocabulary: expected ids in "
+            f"0..{vocab_size - 1} (config.vocab_size={vocab_size})"
+        )
 
 
 def check_mask_shape(attention_mask: torch.Tensor, batch: int, length: int) -> None:

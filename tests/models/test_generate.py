@@ -8,7 +8,7 @@ import torch
 from hf_softmax_rnn import PRESETS, AttentionSpec
 from hf_softmax_rnn.layers import RecurrentStateLayer, cache_nbytes
 
-from .helpers import left_padded_batch, tiny_model
+from .helpers import VOCAB, left_padded_batch, tiny_model
 
 HEAD_DIM = 8
 
@@ -241,6 +241,23 @@ def test_generate_refuses_prompt_masks_it_would_continue_wrongly(family, prompt,
     ids, mask = prompt(*left_padded_batch())
     with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        (torch.tensor([[5, VOCAB]]), ValueError, rf"input_ids holds {VOCAB}, outside the vocabulary: .*0..{VOCAB - 1}"),
+        (torch.tensor([[5, -1]]), ValueError, "input_ids holds -1, outside the vocabulary"),
+        (torch.tensor([[5.0, 6.0]]), TypeError, "input_ids has dtype torch.float32; expected integer token ids"),
+    ],
+    ids=["beyond-vocabulary", "negative", "float"],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_id(family, ids, error, message):
+    model = tiny_model(family, "linear_elu")
+    with pytest.raises(error, match=message):
+        model(ids)
+    with pytest.raises(error, match=message):
+        model.generate(ids, max_new_tokens=1, do_sample=False)
 
 
 def test_forward_refuses_a_mask_with_fewer_columns_than_tokens(family):
