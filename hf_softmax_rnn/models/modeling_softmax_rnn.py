@@ -19,6 +19,7 @@ import torch
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, create_causal_mask
 from transformers.modeling_utils import AttentionInterface
+from transformers.utils import import_utils
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from hf_softmax_rnn.hub import RemoteCodeMixin
@@ -129,7 +130,7 @@ def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
         raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected integer token ids (torch.long)")
     if input_ids.numel() == 0 or input_ids.device.type == "meta" or is_torchdynamo_compiling():
         return
-    if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+    if import_utils.is_cuda_stream_capturing():  # a CUDA graph cannot read values
         return
     outside = (input_ids < 0) | (input_ids >= vocab_size)
     if bool(outside.any()):
