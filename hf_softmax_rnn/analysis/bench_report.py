@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -42,9 +41,8 @@ def device_or_exit(script: str, name: str) -> torch.device:
 
     try:
         resolve_device(name)
-    except UserInputError as error:
-        print(f"{script}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
+    except UserInputError as error:  # argparse's one line and exit status, as for the other flags
+        argparse.ArgumentParser(prog=script, usage=argparse.SUPPRESS, add_help=False).error(str(error))
     return torch.device(name)
 
 
