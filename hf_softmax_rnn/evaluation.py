@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from hf_softmax_rnn.errors import UserInputError
+
 logger = logging.getLogger(__name__)
 
 #: Window length used when neither `max_length` nor the model's config gives one.
@@ -83,6 +85,16 @@ def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> li
     return [token for ids in encoded for token in [*ids, *suffix]]
 
 
+def check_within_positions(model, length: int, what: str) -> None:
+    """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise UserInputError(
+            f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
+            f"expected at most {limit}"
+        )
+
+
 def _default_max_length(model) -> int:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return min(limit, DEFAULT_MAX_LENGTH) if limit else DEFAULT_MAX_LENGTH
@@ -121,12 +133,7 @@ def stream_nll(
         raise ValueError(f"batch_size={batch_size} is not allowed; expected an int >= 1")
     ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
     max_length = _default_max_length(model) if max_length is None else max_length
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is not None and max_length > limit:
-        raise ValueError(
-            f"max_length={max_length} is more than the model's {limit} positions (config.max_position_embeddings); "
-            f"expected at most {limit}"
-        )
+    check_within_positions(model, max_length, "max_length")
     stride = max(1, max_length // 2) if stride is None else stride
     windows = sliding_windows(ids.numel(), max_length, stride)
     device = next(model.parameters()).device

@@ -21,7 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.long_context.positions import check_count, check_positions
+from hf_softmax_rnn.evaluation import check_within_positions
+from hf_softmax_rnn.long_context.positions import check_count
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def check_passkey_settings(
         raise UserInputError(f"lengths={tuple(lengths)} and depths={tuple(depths)} must both be non-empty")
     for length in lengths:
         check_count("passkey length", length)
-        check_positions(model, length, "passkey length")
+        check_within_positions(model, length, "passkey length")
     for depth in depths:
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
             raise UserInputError(f"passkey depth={depth!r} is not allowed; expected a number in [0, 1]")

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.evaluation import check_texts, next_token_nll
+from hf_softmax_rnn.evaluation import check_texts, check_within_positions, next_token_nll
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 
 logger = logging.getLogger(__name__)
@@ -65,16 +65,6 @@ def buckets_from_edges(edges: Sequence[int]) -> tuple[tuple[int, int], ...]:
             f"bucket edges {list(edges)} are not allowed; expected at least two strictly increasing positions"
         )
     return check_buckets(list(zip(edges, edges[1:])))
-
-
-def check_positions(model, length: int, what: str) -> None:
-    """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is not None and length > limit:
-        raise UserInputError(
-            f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
-            f"expected at most {limit}"
-        )
 
 
 def check_count(name: str, value: int | None) -> None:
@@ -206,7 +196,7 @@ def position_perplexity(
     buckets = check_buckets(buckets)
     check_count("slice_size", slice_size)
     length = buckets[-1][1]
-    check_positions(model, length, "bucket end")
+    check_within_positions(model, length, "bucket end")
     sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
     device = next(model.parameters()).device
     was_training = model.training

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.passkey import (
     DEFAULT_DEPTHS,
     check_passkey_settings,
@@ -22,7 +23,6 @@ from hf_softmax_rnn.long_context.passkey import (
 from hf_softmax_rnn.long_context.positions import (
     check_buckets,
     check_count,
-    check_positions,
     eval_sequences,
     position_perplexity,
 )
@@ -59,7 +59,7 @@ class LongContextSettings:
     def check(self, model, tokenizer, texts: Sequence[str]) -> None:
         """Refuse what `model` or `texts` cannot hold (positions, tokens), before anything runs."""
         length = self.buckets[-1][1]
-        check_positions(model, length, "bucket end")
+        check_within_positions(model, length, "bucket end")
         eval_sequences(tokenizer, texts, length, num_sequences=self.sequences, join=self.join)
         if self.passkey_lengths:
             check_passkey_settings(model, self.passkey_lengths, self.depths, self.trials, self.max_new_tokens)
