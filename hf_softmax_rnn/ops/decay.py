@@ -51,10 +51,11 @@ def _decayed_chunk(
     size = k.shape[-2]
     causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
     inside = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, float("-inf")))
-    intra = grouped_matmul(kernel.scores(q, k) * inside[:, :, None], v)
-    inter = grouped_matmul(kernel.query_features(q) * cumulative.exp()[:, :, None, :, None], state)
+    query_features, key_features = kernel.query_features(q), kernel.key_features(k)  # once for all three uses
+    intra = grouped_matmul(grouped_matmul(query_features, key_features.mT) * inside[:, :, None], v)
+    inter = grouped_matmul(query_features * cumulative.exp()[:, :, None, :, None], state)
     total = cumulative[..., -1:]
-    weighted_keys = kernel.key_features(k) * torch.exp(total - cumulative)[..., None]
+    weighted_keys = key_features * torch.exp(total - cumulative)[..., None]
     return intra + inter, state * total.exp()[..., None] + weighted_keys.mT @ v
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -27,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_softmax_rnn.layers import set_attention_transfer, transfer_losses
 from hf_softmax_rnn.layers.attention import softmax_rnn_attention_modules
 from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.distill import distillation_loss
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +137,6 @@ class Stage:
 
 def _lm_loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"loss": model(input_ids=input_ids, labels=input_ids, use_cache=False).loss}
-
-
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(teacher || student) of the next-token distributions `[B, L, V]`."""
-    student, teacher = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
-    return F.kl_div(student.flatten(0, -2), teacher.flatten(0, -2), log_target=True, reduction="batchmean")
 
 
 def _distill_loss(teacher: nn.Module) -> Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]:
