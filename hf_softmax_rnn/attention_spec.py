@@ -567,6 +567,11 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "data-dependent decay of its state, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True),
     ),
+    "hedgehog_window_256_sinks_4_decay": (
+        "exact softmax over the first 4 and the last 256 positions, hedgehog linear attention between with a "
+        "data-dependent decay of its state, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, decay=True),
+    ),
 }
 
 #: Preset name -> one-line description.
