@@ -3,10 +3,10 @@
 `distillation_loss` is computed a slice of positions at a time and keeps nothing for the
 backward but the two logit tensors it was given (which the caller holds anyway): the gradient
 softmax(student) - softmax(teacher) is recomputed slice by slice. The plain autograd form
-(`distillation_loss_reference`) keeps the student's log-probabilities, the teacher's, and
-float32 copies of both when the logits are half precision: about five `[B, L, V]` float32
-tensors at once (2 GB for one 2,048-token block of a 49,152-token vocabulary), where this
-form needs a few `[rows, V]` slices.
+(`distillation_loss_reference`) keeps the student's and the teacher's float32 log-probabilities
+for the backward, two `[B, L, V]` tensors (768 MiB for one 2,048-token block of a 49,152-token
+vocabulary; `scripts/bench_distill_loss.py` measures both forms), where this form works on
+slices of `SLICE_ELEMENTS` and keeps none.
 
 Shapes: logits `[..., V]` (e.g. `[B, L, V]`); every leading position is one distribution.
 """
