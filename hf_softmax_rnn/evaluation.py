@@ -85,9 +85,14 @@ def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> li
     return [token for ids in encoded for token in [*ids, *suffix]]
 
 
+def _max_positions(model) -> int | None:
+    """The model's `config.max_position_embeddings`, or None when it names none."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def check_within_positions(model, length: int, what: str) -> None:
     """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = _max_positions(model)
     if limit is not None and length > limit:
         raise UserInputError(
             f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
@@ -96,7 +101,7 @@ def check_within_positions(model, length: int, what: str) -> None:
 
 
 def _default_max_length(model) -> int:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = _max_positions(model)
     return min(limit, DEFAULT_MAX_LENGTH) if limit else DEFAULT_MAX_LENGTH
 
 

@@ -38,8 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
-    for name in ("positions", "vocab", "rounds"):
-        values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
+    for name, values in (("positions", args.positions), ("vocab", [args.vocab]), ("rounds", [args.rounds])):
         if min(values) < 1:
             parser.error(f"--{name}={getattr(args, name)!r} is not allowed; expected integers >= 1")
     args.device = device_or_exit(parser.prog, args.device)

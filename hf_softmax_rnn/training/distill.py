@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Float32 elements per slice of the sliced loss: 2**21 (8 MiB), a few vocabulary rows at a time.
+#: Elements per slice of the sliced loss: 2**21 (8 MiB in float32), as many whole vocabulary rows as fit.
 SLICE_ELEMENTS = 1 << 21
 
 
