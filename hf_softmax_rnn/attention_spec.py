@@ -95,6 +95,13 @@ class AttentionSpec:
             a_t = sigmoid(w_h . x_t + b_h) in (0, 1) per position and KV head before the key that
             enters at t is added (with a window, a key enters when it leaves the window). The
             layer computes log a_t and passes it as gates["decay"]. See docs/sinks_and_decay.md.
+        kept: K positions older than the window also scored with the exact exp(q.k): those that the
+            queries of their window attended to most (each key's largest window-softmax weight over
+            the W queries that see it in their window), kept while they rank among the K highest of
+            the positions that have left the window; a key enters the finite state only when it is
+            not kept (when it leaves the window, or later, when a higher-ranked key displaces it).
+            Needs a `window`; None = none. Decoding keeps the K keys and values beside the window's.
+            See docs/long_context.md.
     """
 
     kind: str = "softmax"
@@ -112,6 +119,7 @@ class AttentionSpec:
     window: int | None = None
     sinks: int | None = None
     decay: bool = False
+    kept: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -203,6 +211,8 @@ class AttentionSpec:
             self._validate_window()
         if self.sinks is not None:
             self._validate_sinks()
+        if self.kept is not None:
+            self._validate_kept()
         if self.decay and not self.has_finite_state:
             raise ValueError(
                 f"AttentionSpec.decay=True is not allowed with {self.describe()}: the forget gate decays the finite "
@@ -255,6 +265,16 @@ class AttentionSpec:
                 "(kind='linear', or kind='recurrent_softmax' with a taylor_order)"
             )
 
+    def _validate_kept(self) -> None:
+        if self.kept < 1:
+            raise ValueError(f"AttentionSpec.kept={self.kept!r} is not allowed; expected None or an int >= 1")
+        if self.window is None or not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.kept={self.kept} is not allowed with {self.describe()}: kept positions are older "
+                "positions scored exactly beside a sliding window of a finite-state spec; expected kept=None, or set "
+                "window (kind='linear', or kind='recurrent_softmax' with a taylor_order)"
+            )
+
     # ------------------------------------------------------------------ derived facts
     @property
     def uses_taylor(self) -> bool:
@@ -296,10 +316,12 @@ class AttentionSpec:
         return head_dim
 
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
-        """Bytes of the recurrent state of one KV head: S and z, plus the window's and the sinks' keys and values."""
+        """Bytes of the recurrent state of one KV head: S and z, plus the keys and values of the window, the
+        sinks and the kept positions (and one score per window and kept position)."""
         value_dim = head_dim if value_dim is None else value_dim
-        window = ((self.window or 0) + (self.sinks or 0)) * (head_dim + value_dim + 1)
-        return (self.feature_dim(head_dim) * (value_dim + 1) + window) * bytes_per_element
+        exact = ((self.window or 0) + (self.sinks or 0) + (self.kept or 0)) * (head_dim + value_dim + 1)
+        scores = (self.window or 0) + 2 * (self.kept or 0) if self.kept is not None else 0
+        return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         """Raise a clear error if `mode` cannot compute this spec for this head size."""
@@ -352,6 +374,8 @@ class AttentionSpec:
             exact = f"exact exp over the last {self.window} positions"
             if self.sinks is not None:
                 exact += f" and the first {self.sinks}"
+            if self.kept is not None:
+                exact += f" and the {self.kept} most attended older ones"
             parts.insert(1, exact)
         if self.decay:
             parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
@@ -409,6 +433,7 @@ _FIELD_TYPES = (
     ("window", _OPTIONAL_INT, "None or an int"),
     ("sinks", _OPTIONAL_INT, "None or an int"),
     ("decay", (bool,), "true or false"),
+    ("kept", _OPTIONAL_INT, "None or an int"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -571,6 +596,11 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exact softmax over the first 4 and the last 256 positions, hedgehog linear attention between with a "
         "data-dependent decay of its state, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, decay=True),
+    ),
+    "hedgehog_window_256_sinks_4_kept_64_decay": (
+        "exact softmax over the first 4 and the last 256 positions and the 64 most attended older ones, hedgehog "
+        "linear attention over the rest with a data-dependent decay of its state, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=64, decay=True),
     ),
 }
 

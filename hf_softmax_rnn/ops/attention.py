@@ -14,11 +14,12 @@ from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
+from hf_softmax_rnn.ops.kept import merge_exact, select_kept
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
-from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions
+from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
 
@@ -38,6 +39,10 @@ class RecurrentState:
     Attention sinks keep the first S visible positions exactly as well: `sink_keys`
     `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
     position (valid once j < t; zero before); `packed` never sums a sink.
+    Kept positions (`spec.kept` = K, `ops.kept`) add `window_scores` `[B, Hkv, W]` (the saliency so far
+    of each window position) and the K kept keys beyond the window: `kept_keys` `[B, Hkv, K, D]`,
+    `kept_values` `[B, Hkv, K, Dv + 1]`, `kept_scores` `[B, Hkv, K]`, `kept_positions` `[B, Hkv, K]`
+    (visible ranks) and `kept_valid` `[B, Hkv, K]`; `packed` sums a key only once it is not kept.
     `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
     equality when it is passed back, so that a state of another spec is refused whatever its
     shapes; None for a state built by hand (only its shapes are checked).
@@ -50,6 +55,12 @@ class RecurrentState:
     window_valid: torch.Tensor | None = None
     sink_keys: torch.Tensor | None = None
     sink_values: torch.Tensor | None = None
+    window_scores: torch.Tensor | None = None
+    kept_keys: torch.Tensor | None = None
+    kept_values: torch.Tensor | None = None
+    kept_scores: torch.Tensor | None = None
+    kept_positions: torch.Tensor | None = None
+    kept_valid: torch.Tensor | None = None
     made_by: tuple | None = None
 
     @property
@@ -74,8 +85,10 @@ class RecurrentState:
         device=None,
         dtype=None,
         sinks: int | None = None,
+        kept: int | None = None,
     ) -> RecurrentState:
-        """The state before any position (empty window and sink buffers when `window`, `sinks` are set)."""
+        """The state before any position (empty window, sink and kept buffers when `window`, `sinks`,
+        `kept` are set)."""
         state = cls(
             packed=torch.zeros(batch, kv_heads, feature_dim, value_dim + 1, device=device, dtype=dtype),
             t=torch.zeros(batch, dtype=torch.long, device=device),
@@ -87,6 +100,13 @@ class RecurrentState:
         if sinks is not None:
             state.sink_keys = torch.zeros(batch, kv_heads, sinks, head_dim, device=device, dtype=dtype)
             state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
+        if kept is not None:
+            state.window_scores = torch.zeros(batch, kv_heads, window, device=device, dtype=dtype)
+            state.kept_keys = torch.zeros(batch, kv_heads, kept, head_dim, device=device, dtype=dtype)
+            state.kept_values = torch.zeros(batch, kv_heads, kept, value_dim + 1, device=device, dtype=dtype)
+            state.kept_scores = torch.zeros(batch, kv_heads, kept, device=device, dtype=dtype)
+            state.kept_positions = torch.zeros(batch, kv_heads, kept, dtype=torch.long, device=device)
+            state.kept_valid = torch.zeros(batch, kv_heads, kept, dtype=torch.bool, device=device)
         return state
 
     def tensors(self) -> list[torch.Tensor]:
@@ -174,6 +194,12 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, sca
         not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0
     ):
         raise ValueError(f"attention: scale={scale!r} is not allowed; expected None or a finite number > 0")
+    if mode == "parallel" and spec.kept is not None and k.shape[-2] != q.shape[-2]:
+        raise ValueError(
+            f"attention: {spec.describe()} ranks each key by the queries of its window, so mode='parallel' needs a "
+            f"query at every key position; got {q.shape[-2]} queries for {k.shape[-2]} keys (decode through the "
+            "recurrent state: mode='recurrent')"
+        )
     if mode == "parallel" and state is not None:
         raise ValueError("attention: mode='parallel' takes no state; pass past keys and values in k, v instead")
     if attention_mask is not None:
@@ -247,6 +273,9 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec, tag: tuple
     held_sinks = None if state.sink_keys is None else state.sink_keys.shape[2]
     if held_sinks != spec.sinks:
         raise ValueError(f"attention: the state holds {held_sinks} sinks but the spec has sinks={spec.sinks}")
+    held_kept = None if state.kept_keys is None else state.kept_keys.shape[2]
+    if held_kept != spec.kept:
+        raise ValueError(f"attention: the state holds {held_kept} kept positions but the spec has kept={spec.kept}")
 
 
 def attention(
@@ -361,6 +390,7 @@ def attention(
             params.linear_log_scale,
             spec.sinks,
             None if log_decay is None else log_decay.to(compute_dtype),
+            spec.kept,
         )
         numerator = grouped_matmul(scores, v)
         denominator = scores.sum(-1)
@@ -380,6 +410,7 @@ def attention(
                 q.device,
                 compute_dtype,
                 sinks=spec.sinks,
+                kept=spec.kept,
             )
         augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
         augmented, new_state = _finite_state(
@@ -450,34 +481,51 @@ def _finite_state(
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
-    entering = values[..., :length, :]
+    entering_keys, entering = keys[..., :length, :], values[..., :length, :]
+    is_sink = torch.zeros_like(valid)
     if spec.sinks is not None:
         is_sink, ranks = sink_positions(valid, state.t, spec.sinks, spec.window)
         entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
+    new_state = RecurrentState(packed=packed, t=state.t)
+    if spec.window is not None:
+        window_valid = valid & ~is_sink
+        new_state.window_keys = keys[..., -spec.window :, :].clone()
+        new_state.window_values = values[..., -spec.window :, :].clone()
+        new_state.window_valid = valid[:, -spec.window :].clone()
+        if window_fused != "flex":
+            query_valid = key_mask if spec.kept is not None else None
+            exact, row_max, *saliency = banded_exp_attention(
+                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
+            )
+        if spec.kept is not None:
+            entering_keys, entering, exact, row_max = _kept_part(
+                q,
+                keys,
+                entering,
+                valid,
+                window_valid,
+                saliency[0],
+                exact,
+                row_max,
+                state,
+                new_state,
+                spec,
+                window_scale,
+            )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, keys[..., :length, :], entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
+            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
         )
     else:
-        linear, packed = recurrent_linear_attention(
-            q, keys[..., :length, :], entering, packed, kernel, in_place, log_decay
-        )
+        linear, packed = recurrent_linear_attention(q, entering_keys, entering, packed, kernel, in_place, log_decay)
+    new_state.packed = packed
     if spec.window is None:
-        return linear, RecurrentState(packed=packed, t=state.t)
-    window_valid = valid if spec.sinks is None else valid & ~is_sink
-    new_state = RecurrentState(
-        packed=packed,
-        t=state.t,
-        window_keys=keys[..., -spec.window :, :].clone(),
-        window_values=values[..., -spec.window :, :].clone(),
-        window_valid=valid[:, -spec.window :].clone(),
-    )
+        return linear, new_state
     if window_fused == "flex":
         exact_and_linear = _flex_window_hybrid(
             q, k, augmented_v, key_mask, linear, window_scale, spec, linear_log_scale, io_dtype
         )
         return exact_and_linear, new_state
-    exact, row_max = banded_exp_attention(q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size)
     if spec.sinks is not None:
         old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
         sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
@@ -485,6 +533,44 @@ def _finite_state(
         seen = state.t[:, None] + key_mask.long().cumsum(-1)
         exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
+
+
+def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_max, state, new_state, spec, scale):
+    """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
+    (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
+    and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]` and
+    `valid`, `candidates` `[B, W + L]` (visible; visible and not a sink) are the window buffer then the
+    call's positions;
+    `saliency` `[B, Hkv, W + L]` the call's share of each key's saliency."""
+    window, length = spec.window, q.shape[-2]
+    saliency = saliency.to(q.dtype)
+    earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
+    saliency = torch.cat([earlier, saliency[..., window:]], -1)
+    positions = visible_ranks(valid, state.t, window)
+    buffers = (
+        state.kept_keys.to(q.dtype),
+        state.kept_values.to(q.dtype),
+        state.kept_scores.to(q.dtype),
+        state.kept_positions,
+        state.kept_valid,
+    )
+    selection = select_kept(
+        q,
+        keys[..., :length, :],
+        leaving_values,
+        saliency[..., :length],
+        positions[:, :length],
+        candidates[:, :length],
+        buffers,
+        scale,
+        spec.chunk_size,
+    )
+    new_state.window_scores = saliency[..., -window:]
+    new_state.kept_keys, new_state.kept_values = selection.kept_keys, selection.kept_values
+    new_state.kept_scores, new_state.kept_positions = selection.kept_scores, selection.kept_positions
+    new_state.kept_valid = selection.kept_valid
+    exact, row_max = merge_exact(exact, row_max, selection.numerator, selection.row_max)
+    return selection.keys, selection.values, exact, row_max
 
 
 def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, spec, log_scale, io_dtype) -> torch.Tensor:

@@ -155,6 +155,8 @@ def window_backend(
     """ "flex" where the exact window part of a hybrid runs in FlexAttention (`ops.flex_window`), or None."""
     if spec.window is None or not _fused_device(device_type, dtype) or needs_state or not fresh_state:
         return None
+    if spec.kept is not None:  # the kept keys change step by step: no block mask describes them
+        return None
     if os.environ.get(FLEX_ENV_VARIABLE, "1") == "0":
         return None
     if mode != "chunked" or head_dim not in FLEX_DIMS or value_dim not in FLEX_DIMS:

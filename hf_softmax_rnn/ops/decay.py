@@ -30,15 +30,19 @@ from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import FeatureKernel
 
 
-def decay_weights(log_decay: torch.Tensor, query_len: int, shift: int) -> torch.Tensor:
-    """exp(sum_{r=s+shift+1}^{t} g_r) for the last `query_len` positions t and every key s with
-    s + shift <= t, else 0: `[B, Hkv, 1, Lq, Lk]` from log-decays `[B, Hkv, Lk]`."""
+def decay_weights(
+    log_decay: torch.Tensor, query_len: int, shift: int, entry: torch.Tensor | None = None
+) -> torch.Tensor:
+    """exp(sum_{r=e_s+1}^{t} g_r) for the last `query_len` positions t and every key s that entered
+    the state at step e_s <= t, else 0: `[B, Hkv, 1, Lq, Lk]` from log-decays `[B, Hkv, Lk]`. The
+    entry steps are e_s = s + shift, or `entry` `[B, Hkv, Lk]` when given (kept keys enter late)."""
     key_len = log_decay.shape[-1]
     cumulative = log_decay.cumsum(-1)
-    entry = torch.arange(key_len, device=log_decay.device) + shift  # the step at which key s enters the state
+    if entry is None:
+        entry = (torch.arange(key_len, device=log_decay.device) + shift).expand_as(log_decay)
     queries = torch.arange(key_len - query_len, key_len, device=log_decay.device)
-    entered = entry[None, :] <= queries[:, None]
-    at_entry = cumulative[..., entry.clamp_max(key_len - 1)]
+    entered = entry[..., None, :] <= queries[:, None]
+    at_entry = cumulative.gather(-1, entry.clamp_max(key_len - 1))
     exponent = cumulative[..., key_len - query_len :, None] - at_entry[..., None, :]
     return torch.exp(exponent.masked_fill(~entered, float("-inf")))[:, :, None]
 

@@ -12,6 +12,7 @@ import torch
 
 from hf_softmax_rnn.ops.decay import decay_weights
 from hf_softmax_rnn.ops.grouping import grouped_matmul
+from hf_softmax_rnn.ops.kept import kept_schedule
 from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
 from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
@@ -40,6 +41,7 @@ def parallel_scores(
     linear_log_scale: torch.Tensor | None = None,
     sinks: int | None = None,
     log_decay: torch.Tensor | None = None,
+    kept: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
     log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None).
@@ -48,6 +50,8 @@ def parallel_scores(
     older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
     row's largest window score; see `ops.window`). With `sinks`, the first `sinks` visible
     positions are scored like the window (once, when they are in it too) and are never older.
+    With `kept`, the keys each query keeps (`ops.kept.kept_schedule`, queries at every position:
+    Lq == Lk) are scored like the window too, and enter the finite state when they stop being kept.
     With `log_decay` `[B, Hkv, Lk]`, the finite-state scores are multiplied by the decay since the
     key entered the state (`ops.decay.decay_weights`).
     """
@@ -58,11 +62,19 @@ def parallel_scores(
             scores = scores * decay_weights(log_decay, q.shape[-2], 0)
         return scores, log_shift
     near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
-    if sinks is not None:
-        near = near | (visible & sink_mask(key_mask, sinks)[:, None, None, None, :])
-    x = (window_scale * grouped_matmul(q, k.mT)).masked_fill(~near, float("-inf"))
+    sink = torch.zeros_like(key_mask) if sinks is None else sink_mask(key_mask, sinks)
+    near = near | (visible & sink[:, None, None, None, :])
+    x = window_scale * grouped_matmul(q, k.mT)
+    entry = None
+    if kept is not None:
+        in_window = near & ~sink[:, None, None, None, :]
+        probabilities = torch.softmax(x.masked_fill(~in_window, float("-inf")), -1).nan_to_num(0.0)
+        saliency = (probabilities.detach() * key_mask[:, None, None, :, None]).amax(dim=(2, 3))
+        kept_mask, entry = kept_schedule(saliency, key_mask & ~sink, window, kept)
+        near = near | (visible & kept_mask[:, :, None])
+    x = x.masked_fill(~near, float("-inf"))
     row_max = row_shift(x)
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
     if log_decay is not None:
-        older = older * decay_weights(log_decay, q.shape[-2], window)
+        older = older * decay_weights(log_decay, q.shape[-2], window, entry)
     return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1]), None

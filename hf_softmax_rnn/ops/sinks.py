@@ -44,9 +44,15 @@ def sink_positions(
         (`[B, W + L]` bool: the key is among the first S visible positions, `[B, W + L]` long: its
         0-based rank among the visible positions, meaningful where valid).
     """
-    in_buffer = valid[:, :buffered].long().sum(-1, keepdim=True)
-    ranks = seen[:, None] - in_buffer + valid.long().cumsum(-1) - 1
+    ranks = visible_ranks(valid, seen, buffered)
     return valid & (ranks < sinks), ranks
+
+
+def visible_ranks(valid: torch.Tensor, seen: torch.Tensor, buffered: int) -> torch.Tensor:
+    """`[B, W + L]` long: the 0-based rank of each key among the visible positions (meaningful where
+    `valid`), from the buffer-then-call validity `valid` `[B, W + L]` and `seen` `[B]` (see `sink_positions`)."""
+    in_buffer = valid[:, :buffered].long().sum(-1, keepdim=True)
+    return seen[:, None] - in_buffer + valid.long().cumsum(-1) - 1
 
 
 def filled_sinks(

@@ -30,8 +30,9 @@ def banded_exp_attention(
     scale: float,
     window: int,
     block: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum over the window of exp(x - m) [v, 1] and m.
+    query_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """sum over the window of exp(x - m) [v, 1] and m (and, with `query_valid`, each key's saliency).
 
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`, at positions W .. W + L - 1 of `keys`.
@@ -39,10 +40,13 @@ def banded_exp_attention(
             queries, then the queries' own.
         key_valid: `[B, W + L]` bool, False for padding (and for an empty window buffer).
         scale: multiplier of q.k; window: W; block: queries per block C.
+        query_valid: `[B, L]` bool, False for padding queries; given, the saliency of each key is
+            returned as well: its largest window-softmax weight over these queries and the query heads
+            of its KV head (`ops.kept`).
 
     Returns:
         (`[B, Hkv, G, L, Dv']` window numerator, `[B, Hkv, G, L, 1]` row max m, detached; 0 where a
-        query sees no valid key).
+        query sees no valid key) and with `query_valid` `[B, Hkv, W + L]` saliencies (detached).
     """
     batch, kv_heads, groups, length, head_dim = q.shape
     block = max(1, min(block, length))
@@ -57,9 +61,26 @@ def banded_exp_attention(
     visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, None, :, None, :]
     x = (scale * (q @ key_blocks.unsqueeze(2))).masked_fill(~visible, float("-inf"))
     row_max = row_shift(x)
-    numerator = torch.exp(x - row_max) @ value_blocks.unsqueeze(2).mT
+    weights = torch.exp(x - row_max)
+    numerator = weights @ value_blocks.unsqueeze(2).mT
     numerator = numerator.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
-    return numerator, row_max.reshape(batch, kv_heads, groups, blocks * block, 1)[..., :length, :]
+    row_max = row_max.reshape(batch, kv_heads, groups, blocks * block, 1)[..., :length, :]
+    if query_valid is None:
+        return numerator, row_max
+    return numerator, row_max, _saliency(weights.detach(), query_valid, block, window, length)
+
+
+def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, window: int, length: int) -> torch.Tensor:
+    """`[B, Hkv, W + L]` largest window-softmax weight of each key over the valid queries and heads,
+    from the blocks' e^{x - m} `[B, Hkv, G, blocks, C, C + W]` (0 where masked)."""
+    batch, kv_heads, _, blocks, _, span = weights.shape
+    queries = F.pad(query_valid, (0, blocks * block - length)).view(batch, 1, 1, blocks, block, 1)
+    probabilities = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    per_block = (probabilities * queries).amax(dim=(2, 4))  # [B, Hkv, blocks, C + W]
+    index = torch.arange(blocks, device=weights.device)[:, None] * block + torch.arange(span, device=weights.device)
+    out = weights.new_zeros(batch, kv_heads, blocks * block + window)
+    out.scatter_reduce_(-1, index.flatten().expand(batch, kv_heads, -1), per_block.flatten(-2), "amax")
+    return out[..., : window + length]
 
 
 def window_visibility(query_len: int, key_len: int, window: int, device=None) -> torch.Tensor:

@@ -233,13 +233,17 @@ def test_peft_lora_with_rnn_params_saved_trains_only_adapters_and_rnn_params(fam
     assert all(p.grad is not None for name, p in wrapped.named_parameters() if ".rnn_params.modules_to_save." in name)
 
 
-#: Window hybrids with sinks and a decay, small enough that the 7- and 11-token rows cross window and sinks.
+#: Window hybrids with sinks, a decay and kept positions, small enough that the 7- and 11-token rows cross window,
+#: sinks and kept positions.
 SINK_DECAY_SPECS = {
     "hedgehog_window3_sinks2": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=2, chunk_size=4),
     "hedgehog_window3_sinks2_decay": AttentionSpec(
         kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True, chunk_size=4
     ),
     "taylor2_decay": AttentionSpec(kind="recurrent_softmax", taylor_order=2, decay=True, chunk_size=4),
+    "hedgehog_window2_sinks1_kept2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
 }
 
 

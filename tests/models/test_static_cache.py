@@ -12,7 +12,8 @@ from .helpers import left_padded_batch, tiny_model
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
 # finite-state layers: a linear map, order-2 Taylor (also with a decay), and window hybrids (with 2 sinks,
-# and a decay) whose window (3 / 4 positions) the 10- and 6-token prompts and the 6 new tokens cross
+# and a decay; with 2 kept positions) whose window (2 to 4 positions) the 10- and 6-token prompts and the
+# 6 new tokens cross
 SPECS = {
     "linear_elu": "linear_elu",
     "softmax_taylor_2": "softmax_taylor_2",
@@ -25,6 +26,9 @@ SPECS = {
         kind="linear", feature_map="elu", window=3, sinks=2, decay=True, chunk_size=4
     ),
     "taylor2_decay": AttentionSpec(kind="recurrent_softmax", taylor_order=2, decay=True, chunk_size=3),
+    "hedgehog_window2_sinks1_kept2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
 }
 
 
@@ -46,7 +50,14 @@ def test_static_cache_generation_matches_dynamic_cache_and_recomputation(family,
 
 
 @pytest.mark.parametrize(
-    "name", ["linear_elu", "hedgehog_window3", "hedgehog_window3_sinks2", "elu_window3_sinks2_decay"]
+    "name",
+    [
+        "linear_elu",
+        "hedgehog_window3",
+        "hedgehog_window3_sinks2",
+        "elu_window3_sinks2_decay",
+        "hedgehog_window2_sinks1_kept2_decay",
+    ],
 )
 def test_static_cache_rows_match_their_unpadded_generation(family, name):
     model = tiny_model(family, SPECS[name])

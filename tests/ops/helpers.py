@@ -56,6 +56,10 @@ EXTRA_FINITE_SPECS = {
     "decay_window2_sinks2_elu_gates": AttentionSpec(
         kind="linear", feature_map="elu", window=2, sinks=2, decay=True, input_gate=True, output_gate=True
     ),
+    "kept2_window3_hedgehog": AttentionSpec(kind="linear", feature_map="hedgehog", hedgehog_dim=5, window=3, kept=2),
+    "kept3_decay_window2_sinks1_taylor2_gates": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, window=2, sinks=1, kept=3, decay=True, output_gate=True
+    ),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}

@@ -1,0 +1,180 @@
+"""Kept positions: K keys older than the window, chosen by how much their window attended to them.
+
+A hybrid with `kept=K` scores exactly, beside the window (and the sinks), the K older positions
+that rank highest by saliency, and sends every other older position through the finite state:
+
+    saliency(s) = max over the queries t in [s, s + W - 1] and the query heads of the KV head of
+                  softmax_{window(t)}(x_t)[s]      (the window-only softmax weight, sinks left out)
+
+A key's saliency is final when it leaves the window. For query t, the kept set is the K keys of
+highest saliency among the keys that have left the window (ties go to the earlier position);
+sinks and padding are never kept. Keys outside the kept set enter the finite state at the step
+they leave it: when they leave the window unkept, or later, when a higher-ranked key displaces
+them. At most one key enters per step, so the finite-state part is causal linear attention over
+a re-ordered stream of keys (with a decay, a key decays from its own entry step).
+
+- `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
+  each key's entry step, from all saliencies at once.
+- `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
+  of C steps compares the K kept keys and its C leaving keys (a (K + C) x (K + C) ranking), so time
+  and memory are O(L (K + C)), and the K keys, values, saliencies and positions are the state.
+
+Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
+`[B, Hkv, L, Dv + 1]`, saliencies `[B, Hkv, L]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_softmax_rnn.ops.kernels import row_shift
+
+
+def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """`[..., N, N]` bool: candidate i ranks above j (higher saliency, or equal and earlier)."""
+    above = (scores[..., :, None] > scores[..., None, :]) | (
+        (scores[..., :, None] == scores[..., None, :]) & (positions[..., :, None] < positions[..., None, :])
+    )
+    return above & candidate[..., :, None]
+
+
+def kept_schedule(
+    saliency: torch.Tensor, candidate: torch.Tensor, window: int, kept: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept keys of every query and the step at which each key enters the finite state.
+
+    Args:
+        saliency: `[B, Hkv, L]` final saliency of every key (queries at every position).
+        candidate: `[B, L]` bool: the key may be kept (visible and not a sink).
+        window: W; kept: K.
+
+    Returns:
+        (`[B, Hkv, L, L]` bool: key s is kept for the query at t, `[B, Hkv, L]` long: the step at which
+        key s enters the finite state (s + W when it is never kept; L or more when it is still kept at
+        the last query)).
+    """
+    length = saliency.shape[-1]
+    positions = torch.arange(length, device=saliency.device)
+    allowed = candidate[:, None, :].expand_as(saliency)
+    above = _ranks_above(saliency, positions.expand_as(saliency), allowed)  # [B, Hkv, i, s]
+    outranked = above.long().cumsum(-2)  # [B, Hkv, i, s]: candidates <= i that rank above s
+    left = positions[:, None] - window  # the last key out of the window at query t
+    rows = outranked[..., left.clamp_min(0).squeeze(-1), :]  # [B, Hkv, t, s]
+    out_of_window = positions[None, :] <= left
+    kept_mask = allowed[..., None, :] & out_of_window & (rows < kept)
+    entry = positions + window + kept_mask.long().sum(-2)
+    return kept_mask, entry
+
+
+@dataclass
+class KeptSelection:
+    """What `select_kept` returns: the finite state's entering stream, the exact part over the kept
+    keys and the kept buffers after the call.
+
+    `keys` `[B, Hkv, L, D]`, `values` `[B, Hkv, L, Dv + 1]`: the key entering the finite state at each
+    step (zeros where none does). `numerator` `[B, Hkv, G, L, Dv + 1]` and `row_max` `[B, Hkv, G, L, 1]`:
+    sum over the kept keys of e^{x - m} [v, 1] and m (-inf where a query has no kept key). The buffers
+    `kept_keys`, `kept_values`, `kept_scores`, `kept_positions`, `kept_valid` are `[B, Hkv, K, ...]`.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    numerator: torch.Tensor
+    row_max: torch.Tensor
+    kept_keys: torch.Tensor
+    kept_values: torch.Tensor
+    kept_scores: torch.Tensor
+    kept_positions: torch.Tensor
+    kept_valid: torch.Tensor
+
+
+def select_kept(
+    q: torch.Tensor,
+    leaving_keys: torch.Tensor,
+    leaving_values: torch.Tensor,
+    leaving_scores: torch.Tensor,
+    leaving_positions: torch.Tensor,
+    candidate: torch.Tensor,
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    block: int,
+) -> KeptSelection:
+    """The kept keys of each step of a call, block by block.
+
+    Args:
+        q: grouped queries `[B, Hkv, G, L, D]`; the query of step r sees the keys kept after key r left.
+        leaving_keys, leaving_values: `[B, Hkv, L, D]`, `[B, Hkv, L, Dv + 1]`: the key that leaves the
+            window at each step; leaving_scores `[B, Hkv, L]` its final saliency; leaving_positions
+            `[B, L]` its visible rank (for ties); candidate `[B, L]` bool: it may be kept.
+        buffers: (keys `[B, Hkv, K, D]`, values `[B, Hkv, K, Dv + 1]`, scores `[B, Hkv, K]`, positions
+            `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
+        scale: multiplier of q.k; block: steps per block C.
+    """
+    keys, values, scores, positions, valid = buffers
+    kept = keys.shape[2]
+    batch, kv_heads, _, length, _ = q.shape
+    entering_keys, entering_values, numerators, maxima = [], [], [], []
+    for start in range(0, length, block):
+        steps = slice(start, min(start + block, length))
+        size = steps.stop - start
+        cand_keys = torch.cat([keys, leaving_keys[..., steps, :]], dim=2)
+        cand_values = torch.cat([values, leaving_values[..., steps, :]], dim=2)
+        cand_scores = torch.cat([scores, leaving_scores[..., steps]], dim=2)
+        cand_positions = torch.cat([positions, leaving_positions[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
+        cand_valid = torch.cat([valid, candidate[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
+        arrival = torch.cat(
+            [torch.full((kept,), -1, device=q.device), torch.arange(size, device=q.device)]
+        )  # the step of the block from which a candidate has left the window
+        arrived = arrival[None, :] <= torch.arange(size, device=q.device)[:, None]  # [C, N]
+        above = _ranks_above(cand_scores, cand_positions, cand_valid).to(q.dtype)
+        outranked = torch.einsum("ci,bhij->bhcj", arrived.to(q.dtype), above)
+        is_kept = cand_valid[:, :, None, :] & arrived & (outranked < kept)  # [B, Hkv, C, N]
+        before = torch.cat([(cand_valid & (arrival < 0))[:, :, None, :], is_kept[:, :, :-1]], dim=2)
+        arriving = arrival[None, :] == torch.arange(size, device=q.device)[:, None]
+        enters = (cand_valid[:, :, None, :] & arrived & ~is_kept & (before | arriving)).to(q.dtype)
+        entering_keys.append(enters @ cand_keys)
+        entering_values.append(enters @ cand_values)
+        x = scale * (q[..., steps, :] @ cand_keys[:, :, None].mT)  # [B, Hkv, G, C, N]
+        x = x.masked_fill(~is_kept[:, :, None], float("-inf"))
+        shift = row_shift(x)
+        numerators.append(torch.exp(x - shift) @ cand_values[:, :, None])
+        maxima.append(shift.masked_fill(~is_kept[:, :, None].any(-1, keepdim=True), float("-inf")))
+        order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)[..., :kept]
+        keys, values = (
+            cand_keys.gather(2, order[..., None].expand(-1, -1, -1, cand_keys.shape[-1])),
+            cand_values.gather(2, order[..., None].expand(-1, -1, -1, cand_values.shape[-1])),
+        )
+        scores, positions = cand_scores.gather(2, order), cand_positions.gather(2, order)
+        valid = is_kept[:, :, -1].gather(2, order)
+    return KeptSelection(
+        keys=torch.cat(entering_keys, dim=2),
+        values=torch.cat(entering_values, dim=2),
+        numerator=torch.cat(numerators, dim=3),
+        row_max=torch.cat(maxima, dim=3),
+        kept_keys=keys,
+        kept_values=values,
+        kept_scores=scores,
+        kept_positions=positions,
+        kept_valid=valid,
+    )
+
+
+def merge_exact(
+    numerator: torch.Tensor, row_max: torch.Tensor, other: torch.Tensor, other_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two exact parts, each shifted by its own row max, under their joint row max.
+
+    Args:
+        numerator, row_max: the window's part (`[..., Dv + 1]`, `[..., 1]`; a row is empty where its
+            last column is 0).
+        other, other_max: another part with its row max, -inf where the row is empty.
+
+    Returns:
+        (the summed numerator, the joint row max, detached).
+    """
+    mine = row_max.masked_fill(numerator[..., -1:] <= 0, float("-inf"))
+    joint = row_shift(torch.maximum(mine, other_max))
+    total = numerator * torch.exp(mine - joint) + other * torch.exp(other_max - joint)
+    return total, joint

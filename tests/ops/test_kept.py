@@ -1,0 +1,218 @@
+"""Kept positions (`AttentionSpec.kept`) against a step-by-step simulation in float64.
+
+The simulation walks the positions one at a time with explicit Python sets: it updates each
+key's saliency with the window-only softmax of every query, keeps the K best keys that have left
+the window (ties to the earlier position), records the step at which every other key enters the
+finite state, and scores each query from those sets, one key at a time.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_softmax_rnn import AttentionSpec
+from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops.kept import kept_schedule
+
+from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
+from .test_window import _phi
+
+
+def _kernel(q_t, k_s, spec, params, h, kv, scale):
+    if spec.uses_taylor:
+        x = scale * q_t @ k_s
+        return sum(x**n / math.factorial(n) for n in range(spec.taylor_order + 1))
+    hq = None if params.hedgehog_q is None else params.hedgehog_q[h]
+    hk = None if params.hedgehog_k is None else params.hedgehog_k[kv]
+    return scale * _phi(q_t, spec, hq) @ _phi(k_s, spec, hk)
+
+
+def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None):
+    """Outputs `[B, H, L, D]` of a hybrid with kept positions, simulated one position at a time."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads = k.shape[1]
+    groups, window = heads // kv_heads, spec.window
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        visible = [bool(mask[b, s]) for s in range(length)]
+        rank = [sum(visible[:s]) for s in range(length)]
+        sink = [visible[s] and spec.sinks is not None and rank[s] < spec.sinks for s in range(length)]
+        candidate = [visible[s] and not sink[s] for s in range(length)]
+        for kv in range(kv_heads):
+            saliency = [0.0] * length
+            kept_sets, entry = [], {}
+            for t in range(length):
+                near = [s for s in range(max(0, t - window + 1), t + 1) if candidate[s]]
+                if visible[t] and near:
+                    for h in range(kv * groups, (kv + 1) * groups):
+                        weights = torch.softmax(torch.stack([scale * q[b, h, t] @ k[b, kv, s] for s in near]), 0)
+                        for s, p in zip(near, weights.tolist(), strict=True):
+                            saliency[s] = max(saliency[s], p)
+                left = [s for s in range(0, t - window + 1) if candidate[s]]
+                kept = set(sorted(left, key=lambda s: (-saliency[s], s))[: spec.kept])
+                for s in left:
+                    if s not in kept and s not in entry:
+                        entry[s] = t
+                kept_sets.append(kept)
+            for t in range(length):
+                if not visible[t]:
+                    continue
+                for h in range(kv * groups, (kv + 1) * groups):
+                    numerator, denominator = torch.zeros(head_dim, dtype=q.dtype), torch.zeros((), dtype=q.dtype)
+                    for s in range(t + 1):
+                        if not visible[s]:
+                            continue
+                        if t - s < window or sink[s] or s in kept_sets[t]:
+                            weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
+                        else:
+                            decay = 1.0
+                            if log_decay is not None:
+                                decay = torch.exp((log_decay[b, kv] * mask[b])[entry[s] + 1 : t + 1].sum())
+                            weight = (
+                                params.linear_log_scale[h].exp()
+                                * decay
+                                * _kernel(q[b, h, t], k[b, kv, s], spec, params, h, kv, scale)
+                            )
+                        numerator, denominator = numerator + weight * v[b, kv, s], denominator + weight
+                    out[b, h, t] = numerator / denominator
+    return out
+
+
+SPECS = {
+    "elu_w3_kept2": AttentionSpec(kind="linear", feature_map="elu", window=3, kept=2),
+    "hedgehog_w2_kept3_sinks2_c2": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=2, kept=3, chunk_size=2
+    ),
+    "taylor2_w2_kept1_decay_c3": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, window=2, kept=1, decay=True, chunk_size=3
+    ),
+    "elu_w1_kept4_sinks1_decay": AttentionSpec(kind="linear", feature_map="elu", window=1, sinks=1, kept=4, decay=True),
+}
+
+
+def _case(spec, length=12, seed=0):
+    q, k, v, logits = make_inputs(length=length, seed=seed)
+    q, k = 2 * q, 2 * k  # peaked window softmaxes: the ranking matters
+    v, gates = gated(spec, v, logits)
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, length, [0, 3])
+    return q, k, v, gates, params, mask
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_modes_match_the_simulation(name, mode):
+    spec = SPECS[name]
+    q, k, v, gates, params, mask = _case(spec)
+    got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, params=params, gates=gates)
+    want = simulated_kept_attention(q, k, v, spec, params, mask.bool(), 8**-0.5, gates.get("decay"))
+    torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_state_handed_over_between_calls(name):
+    """Prefill in pieces (one of them a single step, as in decoding) gives the one-call outputs and state."""
+    spec = SPECS[name]
+    q, k, v, gates, params, mask = _case(spec, length=13, seed=3)
+    whole, whole_state = attention(q, k, v, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
+    pieces, state = [], None
+    for start, stop in ((0, 5), (5, 6), (6, 13)):
+        part = slice(start, stop)
+        mode = "recurrent" if stop - start == 1 else "chunked"
+        piece_gates = {name: gate[..., part] for name, gate in gates.items()}
+        out, state = attention(
+            q[..., part, :], k[..., part, :], v[..., part, :], spec, mode=mode, attention_mask=mask[:, :stop],
+            params=params, gates=piece_gates, state=state,
+        )  # fmt: skip
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, rtol=1e-10, atol=1e-12)
+    for got, want in zip(state.tensors(), whole_state.tensors(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_gradients_of_chunked_match_parallel():
+    spec = SPECS["hedgehog_w2_kept3_sinks2_c2"]
+    q, k, v, _ = make_inputs(length=10, requires_grad=True)
+    params = as_params(make_params(spec))
+    grads = []
+    for mode in ("parallel", "chunked"):
+        out, _ = attention(2 * q, 2 * k, v, spec, mode=mode, params=params, return_state=False)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, 8, dtype=out.dtype)).sum(), (q, k, v)))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_state_size_is_constant_and_holds_the_best_keys():
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=2, kept=3, chunk_size=4)
+    q, k, v, _ = make_inputs(length=20)
+    _, state = attention(2 * q, 2 * k, v, spec, mode="chunked", params=as_params(make_params(spec)))
+    assert state.kept_keys.shape == (2, 2, 3, 8) and state.kept_values.shape == (2, 2, 3, 9)
+    assert state.kept_valid.all() and state.window_scores.shape == (2, 2, 2)
+    assert state.nbytes == sum(x.numel() * x.element_size() for x in state.tensors())
+    for b in range(2):
+        for kv in range(2):
+            slots = state.kept_positions[b, kv].tolist()
+            torch.testing.assert_close(state.kept_keys[b, kv], 2 * k[b, kv, slots])
+            others = [s for s in range(18) if s not in slots]  # positions 18, 19 are in the window
+            assert state.kept_scores[b, kv].min() >= max(_saliency_of(q, k, b, kv, s, 2) for s in others)
+
+
+def _saliency_of(q, k, b, kv, s, window):
+    """Largest window-softmax weight key s gets from the queries s .. s + W - 1 of KV head kv (inputs doubled)."""
+    best = 0.0
+    for t in range(s, min(s + window, q.shape[2])):
+        first = max(0, t - window + 1)
+        for h in (2 * kv, 2 * kv + 1):
+            x = torch.stack([4 * q[b, h, t] @ k[b, kv, r] * 8**-0.5 for r in range(first, t + 1)])
+            best = max(best, torch.softmax(x, 0)[s - first].item())
+    return best
+
+
+def test_schedule_keeps_the_top_ranked_and_enters_the_rest_when_displaced():
+    saliency = torch.tensor([[[0.9, 0.2, 0.5, 0.5, 0.95, 0.1]]], dtype=torch.float64)
+    candidate = torch.tensor([[True, True, True, True, True, False]])
+    kept, entry = kept_schedule(saliency, candidate, window=1, kept=2)
+    # query 3 sees keys 0..2 out of its window: keeps 0 (0.9) and 2 (0.5); key 2 displaces key 1 at step 3
+    assert kept[0, 0, 3].tolist() == [True, False, True, False, False, False]
+    # query 4: key 3 (0.5, later than key 2) does not displace key 2; query 5: key 4 displaces key 2
+    assert kept[0, 0, 4].tolist() == [True, False, True, False, False, False]
+    assert kept[0, 0, 5].tolist() == [True, False, False, False, True, False]
+    # entry: s + W + the steps it stays kept; keys 0 and 4 are still kept at the last query (6 = L)
+    assert entry[0, 0].tolist() == [6, 3, 5, 4, 6, 6]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(kind="linear", feature_map="elu", window=2, kept=0), r"kept=0 is not allowed; expected None or an int"),
+        (dict(kind="linear", feature_map="elu", kept=2), r"kept=2 is not allowed with .*set window"),
+        (dict(kind="recurrent_softmax", window=2, kept=2), r"window=2 is not allowed"),
+    ],
+    ids=["zero", "no_window", "exact_exp"],
+)
+def test_bad_specs_raise(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionSpec(**fields)
+
+
+def test_non_integer_kept_raises():
+    with pytest.raises(TypeError, match=r"AttentionSpec.kept=2.5 has type float; expected None or an int"):
+        AttentionSpec(kind="linear", feature_map="elu", window=2, kept=2.5)
+
+
+def test_parallel_needs_a_query_per_key():
+    spec = SPECS["elu_w3_kept2"]
+    q, k, v, _ = make_inputs(length=6)
+    with pytest.raises(ValueError, match=r"needs a query at every key position; got 1 queries for 6 keys"):
+        attention(q[..., -1:, :], k, v, spec, mode="parallel", params=as_params(make_params(spec)))
+
+
+def test_state_from_another_kept_count_raises():
+    spec = SPECS["elu_w3_kept2"]
+    q, k, v, _ = make_inputs(length=5)
+    params = as_params(make_params(spec))
+    _, state = attention(q, k, v, spec, mode="chunked", params=params)
+    other = AttentionSpec(**{**spec.to_dict(), "kept": 3})
+    with pytest.raises(ValueError, match=r"state was made for another attention.*kept=2 \(here 3\)"):
+        attention(q, k, v, other, mode="recurrent", params=params, state=state)
