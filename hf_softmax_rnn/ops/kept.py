@@ -112,6 +112,10 @@ def select_kept(
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
         scale: multiplier of q.k; block: steps per block C.
     """
+    if q.shape[-2] == 1:
+        return _select_one(
+            q, leaving_keys, leaving_values, leaving_scores, leaving_positions, candidate, buffers, scale
+        )
     keys, values, scores, positions, valid = buffers
     kept = keys.shape[2]
     batch, kv_heads, _, length, _ = q.shape
@@ -153,6 +157,41 @@ def select_kept(
         values=torch.cat(entering_values, dim=2),
         numerator=torch.cat(numerators, dim=3),
         row_max=torch.cat(maxima, dim=3),
+        kept_keys=keys,
+        kept_values=values,
+        kept_scores=scores,
+        kept_positions=positions,
+        kept_valid=valid,
+    )
+
+
+def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, candidate, buffers, scale):
+    """`select_kept` for one step (decoding), in fewer operations: the leaving key takes the slot of the
+    lowest-ranked kept key (an empty slot first) when it ranks above it, and the displaced key enters
+    the finite state; otherwise the leaving key enters. The same sets as the block form; the slots
+    may hold them in another order."""
+    keys, values, scores, positions, valid = buffers
+    ranked = torch.where(valid, scores, torch.full_like(scores, -torch.inf))
+    ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest saliency
+    weakest = positions.masked_fill(~ties, -1).argmax(-1, keepdim=True)  # of equals, the latest ranks lowest
+    free = ~valid.gather(-1, weakest)
+    takes = candidate[:, None, :] & (free | (leaving_score > scores.gather(-1, weakest)))  # [B, Hkv, 1]
+    slot = (torch.arange(keys.shape[2], device=q.device) == weakest) & takes  # [B, Hkv, K]
+    displaced_key = keys.gather(2, weakest[..., None].expand(-1, -1, -1, keys.shape[-1]))
+    displaced_value = values.gather(2, weakest[..., None].expand(-1, -1, -1, values.shape[-1])) * (~free)[..., None]
+    keys = torch.where(slot[..., None], leaving_key, keys)
+    values = torch.where(slot[..., None], leaving_value, values)
+    scores = torch.where(slot, leaving_score, scores)
+    positions = torch.where(slot, leaving_position[:, None, :], positions)
+    valid = valid | slot
+    x = scale * (q @ keys[:, :, None].mT)  # [B, Hkv, G, 1, K]
+    x = x.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    shift = row_shift(x)
+    return KeptSelection(
+        keys=torch.where(takes[..., None], displaced_key, leaving_key),
+        values=torch.where(takes[..., None], displaced_value, leaving_value),
+        numerator=torch.exp(x - shift) @ values[:, :, None],
+        row_max=shift.masked_fill(~valid.any(-1)[:, :, None, None, None], float("-inf")),
         kept_keys=keys,
         kept_values=values,
         kept_scores=scores,
