@@ -91,7 +91,7 @@ if stage fsdp_finetune; then
   run_tests gpu_tests_fsdp_finetune 60 tests/gpu/test_fsdp_finetune.py
 fi
 if stage fused_kernel_tests; then
-  run_tests gpu_tests_fused 120 tests/gpu/test_fused_kernels.py tests/gpu/test_decay_kernels.py \
+  run_tests gpu_tests_fused 120 tests/gpu/test_fused_kernels.py tests/gpu/test_decay_kernels.py tests/gpu/test_kept.py \
     tests/ops/test_triton_taylor.py tests/ops/test_fla_linear.py tests/ops/test_backends.py
 fi
 if stage graphed_decoding_tests; then
