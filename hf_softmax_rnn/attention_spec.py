@@ -320,7 +320,7 @@ class AttentionSpec:
         sinks and the kept positions (and one score per window and kept position)."""
         value_dim = head_dim if value_dim is None else value_dim
         exact = ((self.window or 0) + (self.sinks or 0) + (self.kept or 0)) * (head_dim + value_dim + 1)
-        scores = (self.window or 0) + 2 * (self.kept or 0) if self.kept is not None else 0
+        scores = (self.window or 0) + 2 * (self.kept or 0) + 1 if self.kept is not None else 0
         return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
@@ -597,10 +597,10 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "data-dependent decay of its state, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, decay=True),
     ),
-    "hedgehog_window_256_sinks_4_kept_64_decay": (
-        "exact softmax over the first 4 and the last 256 positions and the 64 most attended older ones, hedgehog "
+    "hedgehog_window_256_sinks_4_kept_256_decay": (
+        "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "
         "linear attention over the rest with a data-dependent decay of its state, one denominator",
-        dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=64, decay=True),
+        dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=256, decay=True),
     ),
 }
 

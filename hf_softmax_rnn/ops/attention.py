@@ -40,8 +40,9 @@ class RecurrentState:
     `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
     position (valid once j < t; zero before); `packed` never sums a sink.
     Kept positions (`spec.kept` = K, `ops.kept`) add `window_scores` `[B, Hkv, W]` (the saliency so far
-    of each window position) and the K kept keys beyond the window: `kept_keys` `[B, Hkv, K, D]`,
-    `kept_values` `[B, Hkv, K, Dv + 1]`, `kept_scores` `[B, Hkv, K]`, `kept_positions` `[B, Hkv, K]`
+    of each window position), `left_score` `[B, Hkv]` (the saliency of the last key that left the
+    window) and the K kept keys beyond the window: `kept_keys` `[B, Hkv, K, D]`, `kept_values`
+    `[B, Hkv, K, Dv + 1]`, `kept_scores` `[B, Hkv, K]` (rank scores), `kept_positions` `[B, Hkv, K]`
     (visible ranks) and `kept_valid` `[B, Hkv, K]`; `packed` sums a key only once it is not kept.
     `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
     equality when it is passed back, so that a state of another spec is refused whatever its
@@ -56,6 +57,7 @@ class RecurrentState:
     sink_keys: torch.Tensor | None = None
     sink_values: torch.Tensor | None = None
     window_scores: torch.Tensor | None = None
+    left_score: torch.Tensor | None = None
     kept_keys: torch.Tensor | None = None
     kept_values: torch.Tensor | None = None
     kept_scores: torch.Tensor | None = None
@@ -102,6 +104,7 @@ class RecurrentState:
             state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
         if kept is not None:
             state.window_scores = torch.zeros(batch, kv_heads, window, device=device, dtype=dtype)
+            state.left_score = torch.zeros(batch, kv_heads, device=device, dtype=dtype)
             state.kept_keys = torch.zeros(batch, kv_heads, kept, head_dim, device=device, dtype=dtype)
             state.kept_values = torch.zeros(batch, kv_heads, kept, value_dim + 1, device=device, dtype=dtype)
             state.kept_scores = torch.zeros(batch, kv_heads, kept, device=device, dtype=dtype)
@@ -541,11 +544,14 @@ def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_
     and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]` and
     `valid`, `candidates` `[B, W + L]` (visible; visible and not a sink) are the window buffer then the
     call's positions;
-    `saliency` `[B, Hkv, W + L]` the call's share of each key's saliency."""
+    `saliency` `[B, Hkv, W + L]` the call's share of each key's saliency. A key ranks by the larger of
+    its saliency and its predecessor's (`ops.kept`)."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
     saliency = torch.cat([earlier, saliency[..., window:]], -1)
+    preceding = torch.cat([state.left_score.to(q.dtype)[..., None], saliency[..., :-1]], -1)
+    ranking = torch.maximum(saliency, preceding)
     positions = visible_ranks(valid, state.t, window)
     buffers = (
         state.kept_keys.to(q.dtype),
@@ -558,7 +564,7 @@ def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_
         q,
         keys[..., :length, :],
         leaving_values,
-        saliency[..., :length],
+        ranking[..., :length],
         positions[:, :length],
         candidates[:, :length],
         buffers,
@@ -566,6 +572,7 @@ def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_
         spec.chunk_size,
     )
     new_state.window_scores = saliency[..., -window:]
+    new_state.left_score = saliency[..., length - 1]
     new_state.kept_keys, new_state.kept_values = selection.kept_keys, selection.kept_values
     new_state.kept_scores, new_state.kept_positions = selection.kept_scores, selection.kept_positions
     new_state.kept_valid = selection.kept_valid

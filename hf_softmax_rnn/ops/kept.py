@@ -5,9 +5,13 @@ that rank highest by saliency, and sends every other older position through the 
 
     saliency(s) = max over the queries t in [s, s + W - 1] and the query heads of the KV head of
                   softmax_{window(t)}(x_t)[s]      (the window-only softmax weight, sinks left out)
+    rank(s)     = max(saliency(s), saliency(s - 1))
 
-A key's saliency is final when it leaves the window. For query t, the kept set is the K keys of
-highest saliency among the keys that have left the window (ties go to the earlier position);
+A key's saliency is final when it leaves the window, and so is its predecessor's. A key ranks with
+its predecessor because what follows a salient token belongs to it: the last digit of a number,
+the end of a name, which nothing attends to sharply (0 before the first position). For query t,
+the kept set is the K keys of highest rank among the keys that have left the window (ties go to the
+earlier position);
 sinks and padding are never kept. Keys outside the kept set enter the finite state at the step
 they leave it: when they leave the window unkept, or later, when a higher-ranked key displaces
 them. At most one key enters per step, so the finite-state part is causal linear attention over
@@ -46,7 +50,7 @@ def kept_schedule(
     """The kept keys of every query and the step at which each key enters the finite state.
 
     Args:
-        saliency: `[B, Hkv, L]` final saliency of every key (queries at every position).
+        saliency: `[B, Hkv, L]` the rank score of every key (queries at every position).
         candidate: `[B, L]` bool: the key may be kept (visible and not a sink).
         window: W; kept: K.
 
@@ -106,7 +110,7 @@ def select_kept(
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`; the query of step r sees the keys kept after key r left.
         leaving_keys, leaving_values: `[B, Hkv, L, D]`, `[B, Hkv, L, Dv + 1]`: the key that leaves the
-            window at each step; leaving_scores `[B, Hkv, L]` its final saliency; leaving_positions
+            window at each step; leaving_scores `[B, Hkv, L]` its rank score; leaving_positions
             `[B, L]` its visible rank (for ties); candidate `[B, L]` bool: it may be kept.
         buffers: (keys `[B, Hkv, K, D]`, values `[B, Hkv, K, Dv + 1]`, scores `[B, Hkv, K]`, positions
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.

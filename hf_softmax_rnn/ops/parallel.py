@@ -9,6 +9,7 @@ are the last Lq positions); key_mask `[B, Lk]` bool (True = visible).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.decay import decay_weights
 from hf_softmax_rnn.ops.grouping import grouped_matmul
@@ -70,7 +71,8 @@ def parallel_scores(
         in_window = near & ~sink[:, None, None, None, :]
         probabilities = torch.softmax(x.masked_fill(~in_window, float("-inf")), -1).nan_to_num(0.0)
         saliency = (probabilities.detach() * key_mask[:, None, None, :, None]).amax(dim=(2, 3))
-        kept_mask, entry = kept_schedule(saliency, key_mask & ~sink, window, kept)
+        ranking = torch.maximum(saliency, F.pad(saliency, (1, 0))[..., :-1])  # a key ranks with its predecessor
+        kept_mask, entry = kept_schedule(ranking, key_mask & ~sink, window, kept)
         near = near | (visible & kept_mask[:, :, None])
     x = x.masked_fill(~near, float("-inf"))
     row_max = row_shift(x)

@@ -22,7 +22,7 @@ from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
 #: a pretrained model back close to its perplexity (docs/finetuning.md, the recovery benchmark).
-DEFAULT_ATTENTION = "hedgehog_window_256_sinks_4_kept_64_decay"
+DEFAULT_ATTENTION = "hedgehog_window_256_sinks_4_kept_256_decay"
 FINETUNE_METHODS = ("lora", "full")
 #: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
 FINETUNE_LOSSES = ("lm", "distill")

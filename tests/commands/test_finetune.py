@@ -39,13 +39,13 @@ def test_summary_reports_the_ratio_to_the_unconverted_model(perplexities, ratio_
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert bool(warnings) is warned
     if warned:
-        assert "has not recovered" in warnings[0] and "hedgehog_window_256_sinks_4_kept_64_decay" in warnings[0]
+        assert "has not recovered" in warnings[0] and "hedgehog_window_256_sinks_4_kept_256_decay" in warnings[0]
     assert json.loads(lines[-1]).keys() == perplexities.keys()
 
 
 def test_finetune_defaults_to_the_recipe_that_recovers(tmp_path):
     config = FinetuneConfig(output_dir=str(tmp_path / "out"))
-    assert config.attention_spec == AttentionSpec.from_preset("hedgehog_window_256_sinks_4_kept_64_decay")
+    assert config.attention_spec == AttentionSpec.from_preset("hedgehog_window_256_sinks_4_kept_256_decay")
     assert config.finetune_loss == "distill" and config.transfer_steps == 0  # the window recipe
     assert config.finetune_steps == 40  # a window of 256: the wide-window schedule
 

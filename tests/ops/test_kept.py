@@ -1,8 +1,9 @@
 """Kept positions (`AttentionSpec.kept`) against a step-by-step simulation in float64.
 
 The simulation walks the positions one at a time with explicit Python sets: it updates each
-key's saliency with the window-only softmax of every query, keeps the K best keys that have left
-the window (ties to the earlier position), records the step at which every other key enters the
+key's saliency with the window-only softmax of every query, ranks a key by the larger of its own
+and its predecessor's saliency, keeps the K best keys that have left the window (ties to the
+earlier position), records the step at which every other key enters the
 finite state, and scores each query from those sets, one key at a time.
 """
 
@@ -50,7 +51,8 @@ def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None)
                         for s, p in zip(near, weights.tolist(), strict=True):
                             saliency[s] = max(saliency[s], p)
                 left = [s for s in range(0, t - window + 1) if candidate[s]]
-                kept = set(sorted(left, key=lambda s: (-saliency[s], s))[: spec.kept])
+                rank = {s: max(saliency[s], saliency[s - 1] if s > 0 else 0.0) for s in left}
+                kept = set(sorted(left, key=lambda s: (-rank[s], s))[: spec.kept])
                 for s in left:
                     if s not in kept and s not in entry:
                         entry[s] = t
@@ -133,7 +135,8 @@ def test_state_handed_over_between_calls(name):
 def _assert_same_state(state, other):
     """Equal states; the kept slots may hold the same keys in another order (compared by position)."""
     kept = ("kept_keys", "kept_values", "kept_scores", "kept_positions", "kept_valid")
-    for name in ("packed", "t", "window_keys", "window_values", "window_valid", "window_scores", "sink_keys"):
+    names = ("packed", "t", "window_keys", "window_values", "window_valid", "window_scores", "left_score", "sink_keys")
+    for name in names:
         if getattr(state, name) is not None:
             torch.testing.assert_close(getattr(state, name), getattr(other, name), rtol=1e-10, atol=1e-12)
     orders = [
@@ -192,7 +195,10 @@ def test_state_size_is_constant_and_holds_the_best_keys():
             slots = state.kept_positions[b, kv].tolist()
             torch.testing.assert_close(state.kept_keys[b, kv], 2 * k[b, kv, slots])
             others = [s for s in range(18) if s not in slots]  # positions 18, 19 are in the window
-            assert state.kept_scores[b, kv].min() >= max(_saliency_of(q, k, b, kv, s, 2) for s in others)
+            saliency = [_saliency_of(q, k, b, kv, s, 2) for s in range(18)]
+            rank = [max(saliency[s], saliency[s - 1] if s else 0.0) for s in range(18)]
+            torch.testing.assert_close(state.kept_scores[b, kv], torch.tensor([rank[s] for s in slots]).double())
+            assert state.kept_scores[b, kv].min() >= max(rank[s] for s in others)
 
 
 def _saliency_of(q, k, b, kv, s, window):

@@ -163,4 +163,4 @@ def test_row_settings_override_the_command_line_but_not_the_heldout_blocks(tmp_p
     long_recipe = script._settings(args, preset, str(tmp_path / "x"), row_settings)
     assert (long_recipe.block_size, long_recipe.finetune_steps) == (1024, 40)
     assert long_recipe.attention_spec.window == 256 and long_recipe.attention_spec.decay
-    assert long_recipe.attention_spec.kept == 64
+    assert long_recipe.attention_spec.kept == 256
