@@ -97,9 +97,10 @@ class AttentionSpec:
             layer computes log a_t and passes it as gates["decay"]. See docs/sinks_and_decay.md.
         kept: K positions older than the window also scored with the exact exp(q.k): those that the
             queries of their window attended to most (each key's largest window-softmax weight over
-            the W queries that see it in their window), kept while they rank among the K highest of
-            the positions that have left the window; a key enters the finite state only when it is
-            not kept (when it leaves the window, or later, when a higher-ranked key displaces it).
+            the W queries that see it in their window, or its predecessor's if larger), kept while
+            they rank among the K highest of the positions that have left the window; a key enters
+            the finite state only when it is not kept (when it leaves the window, or later, when a
+            higher-ranked key displaces it).
             Needs a `window`; None = none. Decoding keeps the K keys and values beside the window's.
             See docs/long_context.md.
     """

@@ -11,8 +11,7 @@ A key's saliency is final when it leaves the window, and so is its predecessor's
 its predecessor because what follows a salient token belongs to it: the last digit of a number,
 the end of a name, which nothing attends to sharply (0 before the first position). For query t,
 the kept set is the K keys of highest rank among the keys that have left the window (ties go to the
-earlier position);
-sinks and padding are never kept. Keys outside the kept set enter the finite state at the step
+earlier position); sinks and padding are never kept. Keys outside the kept set enter the finite state at the step
 they leave it: when they leave the window unkept, or later, when a higher-ranked key displaces
 them. At most one key enters per step, so the finite-state part is causal linear attention over
 a re-ordered stream of keys (with a decay, a key decays from its own entry step).
@@ -21,7 +20,8 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
   each key's entry step, from all saliencies at once.
 - `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
   of C steps compares the K kept keys and its C leaving keys (a (K + C) x (K + C) ranking), so time
-  and memory are O(L (K + C)), and the K keys, values, saliencies and positions are the state.
+  and memory are O(L (K + C)), and the K keys, values, rank scores and positions are the state; one
+  step (decoding) takes a shorter path with the same result (`_select_one`).
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
 `[B, Hkv, L, Dv + 1]`, saliencies `[B, Hkv, L]`.
@@ -37,7 +37,7 @@ from hf_softmax_rnn.ops.kernels import row_shift
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """`[..., N, N]` bool: candidate i ranks above j (higher saliency, or equal and earlier)."""
+    """`[..., N, N]` bool: candidate i ranks above j (a higher score, or an equal one and earlier)."""
     above = (scores[..., :, None] > scores[..., None, :]) | (
         (scores[..., :, None] == scores[..., None, :]) & (positions[..., :, None] < positions[..., None, :])
     )
