@@ -211,9 +211,9 @@ class AttentionSpec:
         if self.window is not None:
             self._validate_window()
         if self.sinks is not None:
-            self._validate_sinks()
+            self._validate_beside_window("sinks", "sinks are the first positions")
         if self.kept is not None:
-            self._validate_kept()
+            self._validate_beside_window("kept", "kept positions are older positions")
         if self.decay and not self.has_finite_state:
             raise ValueError(
                 f"AttentionSpec.decay=True is not allowed with {self.describe()}: the forget gate decays the finite "
@@ -256,24 +256,16 @@ class AttentionSpec:
                 "expected None"
             )
 
-    def _validate_sinks(self) -> None:
-        if self.sinks < 1:
-            raise ValueError(f"AttentionSpec.sinks={self.sinks!r} is not allowed; expected None or an int >= 1")
+    def _validate_beside_window(self, name: str, what: str) -> None:
+        """`sinks` and `kept`: a count >= 1 of positions scored exactly beside a window of a finite-state spec."""
+        value = getattr(self, name)
+        if value < 1:
+            raise ValueError(f"AttentionSpec.{name}={value!r} is not allowed; expected None or an int >= 1")
         if self.window is None or not self.has_finite_state:
             raise ValueError(
-                f"AttentionSpec.sinks={self.sinks} is not allowed with {self.describe()}: sinks are positions kept "
-                "exact beside a sliding window of a finite-state spec; expected sinks=None, or set window "
-                "(kind='linear', or kind='recurrent_softmax' with a taylor_order)"
-            )
-
-    def _validate_kept(self) -> None:
-        if self.kept < 1:
-            raise ValueError(f"AttentionSpec.kept={self.kept!r} is not allowed; expected None or an int >= 1")
-        if self.window is None or not self.has_finite_state:
-            raise ValueError(
-                f"AttentionSpec.kept={self.kept} is not allowed with {self.describe()}: kept positions are older "
-                "positions scored exactly beside a sliding window of a finite-state spec; expected kept=None, or set "
-                "window (kind='linear', or kind='recurrent_softmax' with a taylor_order)"
+                f"AttentionSpec.{name}={value} is not allowed with {self.describe()}: {what} scored exactly beside "
+                f"a sliding window of a finite-state spec; expected {name}=None, or set window (kind='linear', or "
+                "kind='recurrent_softmax' with a taylor_order)"
             )
 
     # ------------------------------------------------------------------ derived facts

@@ -66,11 +66,9 @@ def fla_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("pad", [0, 37], ids=["no_padding", "left_padding"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_decayed_chunked_path_matches_float64_reference(name, dtype, pad, fla_calls):
-    spec = SPECS[name]
+def check_against_float64(spec, dtype, pad):
+    """Chunked attention on the GPU (two calls, `dtype` q/k/v, float32 parameters) against the float64
+    parallel form on the CPU: values and gradients, within `TOLERANCE`."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(2, HEADS, LENGTH, HEAD_DIM), *[(2, KV_HEADS, LENGTH, HEAD_DIM)] * 2, (2, KV_HEADS, LENGTH)]
     inputs = [torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in shapes]
@@ -95,5 +93,13 @@ def test_decayed_chunked_path_matches_float64_reference(name, dtype, pad, fla_ca
         if want is not None:
             assert got is not None, f"gradient {index} is missing"
             assert _relative_error(got, want) < 2 * TOLERANCE[dtype], f"gradient {index}"
+
+
+@pytest.mark.parametrize("pad", [0, 37], ids=["no_padding", "left_padding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_decayed_chunked_path_matches_float64_reference(name, dtype, pad, fla_calls):
+    spec = SPECS[name]
+    check_against_float64(spec, dtype, pad)
     uses_fla = spec.feature_dim(HEAD_DIM) <= backends.FLA_MAX_FEATURES
     assert fla_calls == ([True, True] if uses_fla else [])
