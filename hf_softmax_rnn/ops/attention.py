@@ -543,9 +543,8 @@ def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
     and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]` and
     `valid`, `candidates` `[B, W + L]` (visible; visible and not a sink) are the window buffer then the
-    call's positions;
-    `saliency` `[B, Hkv, W + L]` the call's share of each key's saliency. A key ranks by the larger of
-    its saliency and its predecessor's (`ops.kept`)."""
+    call's positions; `saliency` `[B, Hkv, W + L]` is the call's share of each key's saliency. A key
+    ranks by the larger of its saliency and its predecessor's (`ops.kept`)."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
