@@ -14,14 +14,14 @@ from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kept import merge_exact, select_kept
+from hf_softmax_rnn.ops.kept import select_kept
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
-from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, sink_positions, visible_ranks
+from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
-from hf_softmax_rnn.ops.window import banded_exp_attention, mix_weight
+from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_weight
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -486,8 +486,10 @@ def _finite_state(
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
     entering_keys, entering = keys[..., :length, :], values[..., :length, :]
     is_sink = torch.zeros_like(valid)
+    if spec.sinks is not None or spec.kept is not None:
+        ranks = visible_ranks(valid, state.t, spec.window)
     if spec.sinks is not None:
-        is_sink, ranks = sink_positions(valid, state.t, spec.sinks, spec.window)
+        is_sink = valid & (ranks < spec.sinks)
         entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
     new_state = RecurrentState(packed=packed, t=state.t)
     if spec.window is not None:
@@ -505,7 +507,7 @@ def _finite_state(
                 q,
                 keys,
                 entering,
-                valid,
+                ranks,
                 window_valid,
                 saliency[0],
                 exact,
@@ -538,20 +540,20 @@ def _finite_state(
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
 
 
-def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_max, state, new_state, spec, scale):
+def _kept_part(q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale):
     """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
-    and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]` and
-    `valid`, `candidates` `[B, W + L]` (visible; visible and not a sink) are the window buffer then the
-    call's positions; `saliency` `[B, Hkv, W + L]` is the call's share of each key's saliency. A key
-    ranks by the larger of its saliency and its predecessor's (`ops.kept`)."""
+    and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]`,
+    `ranks` `[B, W + L]` (visible ranks, `ops.sinks.visible_ranks`) and `candidates` (visible and not a
+    sink) are the window buffer then the call's positions; `saliency` `[B, Hkv, W + L]` is the call's
+    share of each key's saliency. A key ranks by the larger of its saliency and its predecessor's
+    (`ops.kept`)."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
     saliency = torch.cat([earlier, saliency[..., window:]], -1)
     preceding = torch.cat([state.left_score.to(q.dtype)[..., None], saliency[..., :-1]], -1)
     ranking = torch.maximum(saliency, preceding)
-    positions = visible_ranks(valid, state.t, window)
     buffers = (
         state.kept_keys.to(q.dtype),
         state.kept_values.to(q.dtype),
@@ -564,7 +566,7 @@ def _kept_part(q, keys, leaving_values, valid, candidates, saliency, exact, row_
         keys[..., :length, :],
         leaving_values,
         ranking[..., :length],
-        positions[:, :length],
+        ranks[:, :length],
         candidates[:, :length],
         buffers,
         scale,

@@ -11,9 +11,9 @@ A key's saliency is final when it leaves the window, and so is its predecessor's
 its predecessor because what follows a salient token belongs to it: the last digit of a number,
 the end of a name, which nothing attends to sharply (0 before the first position). For query t,
 the kept set is the K keys of highest rank among the keys that have left the window (ties go to the
-earlier position); sinks and padding are never kept. Keys outside the kept set enter the finite state at the step
-they leave it: when they leave the window unkept, or later, when a higher-ranked key displaces
-them. At most one key enters per step, so the finite-state part is causal linear attention over
+earlier position); sinks and padding are never kept. Keys outside the kept set enter the finite
+state at the step they leave it: when they leave the window unkept, or later, when a higher-ranked
+key displaces them. At most one key enters per step, so the finite-state part is causal linear attention over
 a re-ordered stream of keys (with a decay, a key decays from its own entry step).
 
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_softmax_rnn.ops.kernels import row_shift
+from hf_softmax_rnn.ops.window import masked_exp_part
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -144,11 +144,9 @@ def select_kept(
         enters = (cand_valid[:, :, None, :] & arrived & ~is_kept & (before | arriving)).to(q.dtype)
         entering_keys.append(enters @ cand_keys)
         entering_values.append(enters @ cand_values)
-        x = scale * (q[..., steps, :] @ cand_keys[:, :, None].mT)  # [B, Hkv, G, C, N]
-        x = x.masked_fill(~is_kept[:, :, None], float("-inf"))
-        shift = row_shift(x)
-        numerators.append(torch.exp(x - shift) @ cand_values[:, :, None])
-        maxima.append(shift.masked_fill(~is_kept[:, :, None].any(-1, keepdim=True), float("-inf")))
+        numerator, row_max = masked_exp_part(q[..., steps, :], cand_keys, cand_values, is_kept[:, :, None], scale)
+        numerators.append(numerator)
+        maxima.append(row_max)
         order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)[..., :kept]
         keys, values = (
             cand_keys.gather(2, order[..., None].expand(-1, -1, -1, cand_keys.shape[-1])),
@@ -188,36 +186,15 @@ def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, 
     scores = torch.where(slot, leaving_score, scores)
     positions = torch.where(slot, leaving_position[:, None, :], positions)
     valid = valid | slot
-    x = scale * (q @ keys[:, :, None].mT)  # [B, Hkv, G, 1, K]
-    x = x.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    shift = row_shift(x)
+    numerator, row_max = masked_exp_part(q, keys, values, valid[:, :, None, None, :], scale)
     return KeptSelection(
         keys=torch.where(takes[..., None], displaced_key, leaving_key),
         values=torch.where(takes[..., None], displaced_value, leaving_value),
-        numerator=torch.exp(x - shift) @ values[:, :, None],
-        row_max=shift.masked_fill(~valid.any(-1)[:, :, None, None, None], float("-inf")),
+        numerator=numerator,
+        row_max=row_max,
         kept_keys=keys,
         kept_values=values,
         kept_scores=scores,
         kept_positions=positions,
         kept_valid=valid,
     )
-
-
-def merge_exact(
-    numerator: torch.Tensor, row_max: torch.Tensor, other: torch.Tensor, other_max: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two exact parts, each shifted by its own row max, under their joint row max.
-
-    Args:
-        numerator, row_max: the window's part (`[..., Dv + 1]`, `[..., 1]`; a row is empty where its
-            last column is 0).
-        other, other_max: another part with its row max, -inf where the row is empty.
-
-    Returns:
-        (the summed numerator, the joint row max, detached).
-    """
-    mine = row_max.masked_fill(numerator[..., -1:] <= 0, float("-inf"))
-    joint = row_shift(torch.maximum(mine, other_max))
-    total = numerator * torch.exp(mine - joint) + other * torch.exp(other_max - joint)
-    return total, joint

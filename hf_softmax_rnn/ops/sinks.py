@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_softmax_rnn.ops.kernels import row_shift
+from hf_softmax_rnn.ops.window import masked_exp_part, merge_exact
 
 
 def sink_mask(key_mask: torch.Tensor, sinks: int) -> torch.Tensor:
@@ -29,28 +29,16 @@ def sink_mask(key_mask: torch.Tensor, sinks: int) -> torch.Tensor:
     return key_mask & (key_mask.long().cumsum(-1) <= sinks)
 
 
-def sink_positions(
-    valid: torch.Tensor, seen: torch.Tensor, sinks: int, buffered: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which keys of a call are sinks, and their visible ranks.
+def visible_ranks(valid: torch.Tensor, seen: torch.Tensor, buffered: int) -> torch.Tensor:
+    """`[B, W + L]` long: the 0-based rank of each key among the visible positions (meaningful where
+    `valid`; a sink is a visible key of rank < S).
 
     Args:
         valid: `[B, W + L]` bool, the window buffer's validity then the call's padding mask: the
             valid buffer entries are the last visible positions before the call.
-        seen: `[B]` visible positions before the call (the state's t).
-        sinks: S; buffered: W, the length of the buffer part of `valid`.
-
-    Returns:
-        (`[B, W + L]` bool: the key is among the first S visible positions, `[B, W + L]` long: its
-        0-based rank among the visible positions, meaningful where valid).
+        seen: `[B]` visible positions before the call (the state's t); buffered: W, the length of the
+            buffer part of `valid`.
     """
-    ranks = visible_ranks(valid, seen, buffered)
-    return valid & (ranks < sinks), ranks
-
-
-def visible_ranks(valid: torch.Tensor, seen: torch.Tensor, buffered: int) -> torch.Tensor:
-    """`[B, W + L]` long: the 0-based rank of each key among the visible positions (meaningful where
-    `valid`), from the buffer-then-call validity `valid` `[B, W + L]` and `seen` `[B]` (see `sink_positions`)."""
     in_buffer = valid[:, :buffered].long().sum(-1, keepdim=True)
     return seen[:, None] - in_buffer + valid.long().cumsum(-1) - 1
 
@@ -98,10 +86,4 @@ def add_sink_attention(
     """
     slots = torch.arange(sink_keys.shape[2], device=q.device)
     visible = (slots < seen[..., None])[:, None, None]  # [B, 1, 1, L, S]
-    x = (scale * (q @ sink_keys.unsqueeze(2).mT)).masked_fill(~visible, float("-inf"))
-    has_window = window_numerator[..., -1:] > 0
-    joint = torch.maximum(x.amax(-1, keepdim=True), window_max.masked_fill(~has_window, float("-inf")))
-    row_max = row_shift(joint)
-    rescale = torch.exp((window_max - row_max).masked_fill(~has_window, 0.0))
-    numerator = window_numerator * rescale + torch.exp(x - row_max) @ sink_values.unsqueeze(2)
-    return numerator, row_max
+    return merge_exact(window_numerator, window_max, *masked_exp_part(q, sink_keys, sink_values, visible, scale))

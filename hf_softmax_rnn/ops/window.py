@@ -83,6 +83,45 @@ def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, wind
     return out[..., : window + length]
 
 
+def masked_exp_part(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An exact part over a set of keys beside the window (sinks, kept keys): the sum over the visible
+    keys of e^{x - m} [v, 1] and m.
+
+    Args:
+        q: grouped queries `[B, Hkv, G, L, D]`; keys, values: `[B, Hkv, N, D]`, `[B, Hkv, N, Dv + 1]`.
+        visible: bool, broadcastable to `[B, Hkv, G, L, N]`; scale: multiplier of q.k.
+
+    Returns:
+        (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max m, detached; -inf where a query
+        sees none of the keys), as `merge_exact` takes them.
+    """
+    x = (scale * (q @ keys.unsqueeze(2).mT)).masked_fill(~visible, float("-inf"))
+    shift = row_shift(x)
+    empty = ~visible.any(-1, keepdim=True)
+    return torch.exp(x - shift) @ values.unsqueeze(2), shift.masked_fill(empty, float("-inf"))
+
+
+def merge_exact(
+    numerator: torch.Tensor, row_max: torch.Tensor, other: torch.Tensor, other_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two exact parts, each shifted by its own row max, under their joint row max.
+
+    Args:
+        numerator, row_max: the window's part (`[..., Dv + 1]`, `[..., 1]`; a row is empty where its
+            last column is 0).
+        other, other_max: another part with its row max, -inf where the row is empty (`masked_exp_part`).
+
+    Returns:
+        (the summed numerator, the joint row max, detached).
+    """
+    mine = row_max.masked_fill(numerator[..., -1:] <= 0, float("-inf"))
+    joint = row_shift(torch.maximum(mine, other_max))
+    total = numerator * torch.exp(mine - joint) + other * torch.exp(other_max - joint)
+    return total, joint
+
+
 def window_visibility(query_len: int, key_len: int, window: int, device=None) -> torch.Tensor:
     """`[Lq, Lk]` bool: key position p is inside the window of the query at position
     P = Lk - Lq + i, i.e. P - W < p (causality is checked apart)."""
