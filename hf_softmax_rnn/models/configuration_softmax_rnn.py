@@ -25,15 +25,15 @@ KV_LAYER_TYPE = "full_attention"
 class SoftmaxRNNConfigMixin:
     """Attention-choice logic for configs with `attention`, `layer_attention`, `attention_mode` fields."""
 
-    def _normalize_attention_fields(self) -> None:
-        """Coerce the fields to plain dicts and validate them (called first in `__post_init__`)."""
-        self.attention = AttentionSpec.coerce("softmax" if self.attention is None else self.attention).to_dict()
-        if self.layer_attention is not None:
-            self.layer_attention = {
-                str(self._layer_index(key)): AttentionSpec.coerce(value).to_dict()
-                for key, value in self.layer_attention.items()
-            }
-        self.validate_attention()
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`attention` and `layer_attention` are validated and stored as plain dicts with string layer
+        keys whenever they are assigned: at construction, by hand, or by `from_pretrained(path,
+        layer_attention=...)`, which sets keyword arguments on the loaded config."""
+        if name == "attention":
+            value = AttentionSpec.coerce("softmax" if value is None else value).to_dict()
+        elif name == "layer_attention" and value is not None:
+            value = {str(self._layer_index(key)): AttentionSpec.coerce(spec).to_dict() for key, spec in value.items()}
+        super().__setattr__(name, value)
 
     def _layer_index(self, key: Any) -> int:
         """A layer index from an int or its string form (JSON keys are strings)."""

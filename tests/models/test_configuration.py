@@ -44,6 +44,45 @@ def test_layer_overrides_make_a_hybrid_with_matching_cache_layer_types(make_conf
     assert sorted(config.layer_attention) == ["1", "2"]
 
 
+def test_fields_assigned_after_construction_are_normalised_like_construction(make_config):
+    config = make_config(attention="linear_elu")
+    config.attention = AttentionSpec.from_preset("linear_hedgehog")
+    config.layer_attention = {1: "softmax", "2": AttentionSpec.from_preset("softmax_taylor_2")}
+    assert config.attention == AttentionSpec.from_preset("linear_hedgehog").to_dict()
+    assert [config.attention_spec(i) for i in range(3)] == [
+        AttentionSpec.from_preset(name) for name in ("linear_hedgehog", "softmax", "softmax_taylor_2")
+    ]
+    assert config.to_dict()["layer_attention"] == {
+        "1": AttentionSpec.from_preset("softmax").to_dict(),
+        "2": AttentionSpec.from_preset("softmax_taylor_2").to_dict(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("attention", "no_such_preset", "Unknown attention preset 'no_such_preset'"),
+        ("layer_attention", {3: "softmax"}, "key 3; expected layer indices in 0..2"),
+        ("layer_attention", {0: {"kind": "linear"}}, "feature_map=None is not allowed"),
+    ],
+    ids=["unknown-preset", "layer-out-of-range", "invalid-spec"],
+)
+def test_bad_assignment_raises_naming_the_value_and_keeps_the_old_one(make_config, field, value, message):
+    config = make_config(attention="linear_elu")
+    with pytest.raises(ValueError, match=message):
+        setattr(config, field, value)
+    assert config.attention_spec(0) == AttentionSpec.from_preset("linear_elu")
+
+
+@pytest.mark.parametrize("key", [1, "1"], ids=["int-key", "str-key"])
+def test_from_pretrained_keyword_overrides_reach_the_layers(make_config, tmp_path, key):
+    make_config(attention="linear_elu").save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path, layer_attention={key: "softmax"}, attention="linear_hedgehog")
+    assert [loaded.attention_spec(i) for i in range(3)] == [
+        AttentionSpec.from_preset(name) for name in ("linear_hedgehog", "softmax", "linear_hedgehog")
+    ]
+
+
 @pytest.mark.parametrize(
     ("layer_attention", "expected"),
     [

@@ -34,7 +34,7 @@ class SoftmaxRNNLlamaConfig(SoftmaxRNNConfigMixin, LlamaConfig):
     attention_mode: str = "parallel"
 
     def __post_init__(self, **kwargs):
-        self._normalize_attention_fields()
+        self.validate_attention()
         super().__post_init__(**kwargs)
 
 
