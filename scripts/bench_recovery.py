@@ -36,8 +36,13 @@ from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
-from hf_softmax_rnn.long_context.report import QUICK_BUCKETS, QUICK_LENGTHS, LongContextSettings, comparison_tables
-from hf_softmax_rnn.long_context.report import plot_positions as plot_long_context
+from hf_softmax_rnn.long_context.report import (
+    QUICK_BUCKETS,
+    QUICK_LENGTHS,
+    LongContextSettings,
+    comparison_tables,
+    plot_long_context,
+)
 from hf_softmax_rnn.training import FinetuneConfig
 from hf_softmax_rnn.training.trainer import Finetuner
 

@@ -25,7 +25,7 @@ from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
-from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_positions
+from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,6 @@ def run(args: argparse.Namespace) -> str:
         output.mkdir(parents=True, exist_ok=True)
         record = {"models": names, "texts": options.texts, "settings": dataclasses.asdict(settings), **results}
         (output / RESULTS_FILE).write_text(json.dumps(record, indent=1))
-        plot_positions(results, reference, output / PLOT_FILE, title=f"{options.model} on {options.texts}")
+        plot_long_context(results, reference, output / PLOT_FILE, title=f"{options.model} on {options.texts}")
         report += f"\n\nWrote {output / RESULTS_FILE} and {output / PLOT_FILE}"
     return report

@@ -3,7 +3,7 @@ another kind than the training corpus (`data/eval_texts.py`), for a model beside
 
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, passkey_retrieval
 from hf_softmax_rnn.long_context.positions import DEFAULT_BUCKETS, position_perplexity
-from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_positions
+from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -12,6 +12,6 @@ __all__ = [
     "LongContextSettings",
     "comparison_tables",
     "passkey_retrieval",
-    "plot_positions",
+    "plot_long_context",
     "position_perplexity",
 ]

@@ -2,7 +2,7 @@
 
 `LongContextSettings` checks everything it can before a model runs (`check(model, tokenizer,
 texts)` adds what needs the model and the texts); `evaluate` returns {"positions": ...,
-"passkey": ...} for one model; `comparison_tables` and `plot_positions` put models side by
+"passkey": ...} for one model; `comparison_tables` and `plot_long_context` put models side by
 side, each beside a reference (the original model).
 """
 
@@ -132,10 +132,12 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
     return "\n".join(lines)
 
 
-def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
+def plot_long_context(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
     """Perplexity per position bucket of every model and, beside it when there are several, each
-    model's ratio to `reference`. A model is drawn at the buckets of `reference` it was measured on
-    (a run that stopped at 4,096 tokens beside a reference measured to 8,192)."""
+    model's ratio to `reference`; where passkey results exist, a last panel of passkey accuracy
+    against the key's depth, one line per model and prompt length. A model is drawn at the buckets
+    of `reference` it was measured on (a run that stopped at 4,096 tokens beside a reference
+    measured to 8,192) and keeps its colour in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,33 +145,59 @@ def plot_positions(results: dict[str, dict], reference: str, path: str | Path, *
 
     base = results[reference]["positions"]["buckets"]
     compared = len(results) > 1
-    figure, axes = plt.subplots(1, 2 if compared else 1, figsize=(11 if compared else 6, 4), squeeze=False)
-    curves, ratios = axes[0, 0], axes[0, -1]
+    passkeys = {name: result["passkey"] for name, result in results.items() if result.get("passkey")}
+    columns = (2 if compared else 1) + bool(passkeys)
+    figure, axes = plt.subplots(1, columns, figsize=(5.5 * columns, 4), squeeze=False)
+    curves, ratios = axes[0, 0], axes[0, 1 if compared else 0]
     places = range(len(base))
     place_of = {(b["start"], b["end"]): place for place, b in enumerate(base)}
+    colours = {}
     for name, result in results.items():
         measured = [b for b in result["positions"]["buckets"] if (b["start"], b["end"]) in place_of]
         at = [place_of[b["start"], b["end"]] for b in measured]
         (line,) = curves.plot(at, [b["perplexity"] for b in measured], marker="o", label=name)
-        if name != reference:  # the same colour in both panels
+        colours[name] = line.get_color()
+        if name != reference:
             ratios.plot(
                 at,
                 [b["perplexity"] / base[place]["perplexity"] for b, place in zip(measured, at)],
                 marker="o",
                 label=name,
-                color=line.get_color(),
+                color=colours[name],
             )
-    panels = [(curves, "perplexity")]
-    if compared:
-        ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
-        panels.append((ratios, f"perplexity / {reference}"))
-    for axis, ylabel in panels:
+    for axis, ylabel in [(curves, "perplexity")] + [(ratios, f"perplexity / {reference}")] * compared:
         axis.set_xticks(places, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
         axis.set_xlabel("position bucket (tokens of context)")
         axis.set_ylabel(ylabel)
+    if compared:
+        ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
+    if passkeys:
+        _plot_passkey(axes[0, -1], passkeys, colours)
+    for axis in axes[0]:
         axis.legend(fontsize=8)
     if title:
         figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _plot_passkey(axis, passkeys: dict[str, dict], colours: dict[str, str]) -> None:
+    """Passkey accuracy (%) against the key's depth: a line per model (its colour) and prompt length
+    (a line style per length)."""
+    styles = ("-", "--", ":", "-.")
+    lengths = sorted({int(length) for passkey in passkeys.values() for length in passkey["lengths"]})
+    for name, passkey in passkeys.items():
+        for length, record in passkey["lengths"].items():
+            depths = sorted(record["depths"], key=float)
+            axis.plot(
+                [100 * float(depth) for depth in depths],
+                [100 * record["depths"][depth] for depth in depths],
+                marker="o",
+                color=colours[name],
+                linestyle=styles[lengths.index(int(length)) % len(styles)],
+                label=f"{name}, {int(length):,} tokens",
+            )
+    axis.set_xlabel("depth of the key (% of the filler)")
+    axis.set_ylabel("passkey accuracy (%)")
+    axis.set_ylim(-5, 105)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hf_softmax_rnn.data.eval_texts import load_eval_texts
 from hf_softmax_rnn.layers import student_outputs
-from hf_softmax_rnn.long_context.report import comparison_tables, plot_positions
+from hf_softmax_rnn.long_context.report import comparison_tables, plot_long_context
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class LongContextRun:
         record = {"texts": self.config.long_eval_texts, **self.results}
         path = Path(output_dir) / results_file
         path.write_text(json.dumps({**json.loads(path.read_text()), "long_context": record}, indent=2))
-        plot_positions(self.results, ORIGINAL, Path(output_dir) / LONG_CONTEXT_PLOT, title=self.config.long_eval_texts)
+        plot_long_context(
+            self.results, ORIGINAL, Path(output_dir) / LONG_CONTEXT_PLOT, title=self.config.long_eval_texts
+        )
         return record
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_positions
+from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
 
 
 def _result(perplexities, passkey=None, seconds=3.0):
@@ -14,7 +14,9 @@ def _result(perplexities, passkey=None, seconds=3.0):
     positions = {"buckets": buckets, "tokens": 512, "seconds": seconds}
     if passkey is None:
         return {"positions": positions, "passkey": None}
-    lengths = {"1024": {"accuracy": passkey, "correct": int(passkey * 4), "trials": 4, "tokens": 4064, "seconds": 9}}
+    record = {"accuracy": passkey, "correct": int(passkey * 4), "trials": 4, "tokens": 4064, "seconds": 9}
+    depths = {"0.1": 0.0, "0.5": passkey, "0.9": 1.0}
+    lengths = {"1024": {**record, "depths": depths}, "2048": {**record, "depths": {**depths, "0.1": passkey}}}
     return {"positions": positions, "passkey": {"lengths": lengths}}
 
 
@@ -24,7 +26,7 @@ def test_table_gives_each_model_beside_the_reference():
     assert "0-64: 126, 64-256: 384; in brackets the ratio to original" in text
     assert "| original | 10.00 | 8.00 | 512 | 3 s |" in text
     assert "| trained | 15.00 (1.50x) | 12.00 (1.50x) | 512 | 3 s |" in text
-    assert "| trained | 25% (1/4; 4k tok, 9 s) |" in text
+    assert "| trained | 25% (1/4; 4k tok, 9 s) | 25% (1/4; 4k tok, 9 s) |" in text
 
 
 def test_table_without_passkey_has_no_passkey_section():
@@ -34,7 +36,7 @@ def test_table_without_passkey_has_no_passkey_section():
 @pytest.mark.parametrize("names", [("original",), ("original", "trained")], ids=["one-model", "two-models"])
 def test_plot_is_written(tmp_path, names):
     results = {name: _result([10.0 + i, 8.0 + i]) for i, name in enumerate(names)}
-    plot_positions(results, "original", tmp_path / "plot.png", title="t")
+    plot_long_context(results, "original", tmp_path / "plot.png", title="t")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
@@ -44,7 +46,7 @@ def test_each_model_keeps_its_colour_in_both_panels(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     results = {name: _result([10.0 + i, 8.0 + i]) for i, name in enumerate(("original", "a", "b"))}
-    plot_positions(results, "original", tmp_path / "plot.png")
+    plot_long_context(results, "original", tmp_path / "plot.png")
     curves, ratios = figures[0].axes
     colours = {line.get_label(): line.get_color() for line in curves.get_lines()}
     for line in ratios.get_lines():
@@ -72,8 +74,42 @@ def test_a_model_measured_on_fewer_buckets_is_drawn_at_the_ones_it_has(tmp_path,
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     short = _result([15.0])  # measured on 0-64 only
-    plot_positions({"original": _result([10.0, 8.0]), "short": short}, "original", tmp_path / "plot.png")
+    plot_long_context({"original": _result([10.0, 8.0]), "short": short}, "original", tmp_path / "plot.png")
     curves, ratios = figures[0].axes
     drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ratios.lines}
     assert drawn["short"] == ([0], [1.5])
     assert {line.get_label(): list(line.get_xdata()) for line in curves.lines} == {"original": [0, 1], "short": [0]}
+
+
+def test_passkey_panel_draws_accuracy_by_depth_per_model_and_length_in_the_model_colour(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = {"original": _result([10.0, 8.0], 1.0), "trained": _result([15.0, 12.0], 0.25)}
+    plot_long_context(results, "original", tmp_path / "plot.png")
+    curves, _, passkey = figures[0].axes
+    colours = {line.get_label(): line.get_color() for line in curves.get_lines()}
+    drawn = {line.get_label(): line for line in passkey.get_lines()}
+    assert sorted(drawn) == [
+        "original, 1,024 tokens",
+        "original, 2,048 tokens",
+        "trained, 1,024 tokens",
+        "trained, 2,048 tokens",
+    ]
+    assert list(drawn["trained, 2,048 tokens"].get_xdata()) == [10.0, 50.0, 90.0]
+    assert list(drawn["trained, 2,048 tokens"].get_ydata()) == [25.0, 25.0, 100.0]
+    assert list(drawn["trained, 1,024 tokens"].get_ydata()) == [0.0, 25.0, 100.0]
+    assert drawn["trained, 1,024 tokens"].get_color() == colours["trained"]
+    assert drawn["trained, 1,024 tokens"].get_linestyle() != drawn["trained, 2,048 tokens"].get_linestyle()
+
+
+def test_no_passkey_panel_without_passkey_results(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_long_context(
+        {"original": _result([10.0, 8.0]), "trained": _result([15.0, 12.0])}, "original", tmp_path / "p.png"
+    )
+    assert len(figures[0].axes) == 2
