@@ -108,6 +108,14 @@ def test_save_and_auto_load_round_trip_bit_exactly(family, preset, tmp_path):
     assert torch.equal(logits(loaded, ids, mask), logits(model, ids, mask))
 
 
+@pytest.mark.parametrize("key", [1, "1"], ids=["int-key", "str-key"])
+def test_from_pretrained_layer_overrides_reach_the_attention_modules(family, tmp_path, key):
+    tiny_model(family, "linear_elu").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, layer_attention={key: "softmax"})
+    specs = [module.attention_spec for module in softmax_rnn_attention_modules(loaded)]
+    assert specs == [AttentionSpec.from_preset("linear_elu"), AttentionSpec.from_preset("softmax")]
+
+
 def test_auto_model_builds_the_base_model(family):
     config_class, _, base_class = CLASSES[family]
     config = tiny_model(family, "linear_elu").config
