@@ -52,13 +52,18 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
+def is_attention_file(value: Any) -> bool:
+    """Whether an --attention value names a JSON file (not a preset name or inline JSON)."""
+    return isinstance(value, str) and not value.lstrip().startswith(("{", "[")) and value.endswith(".json")
+
+
 def parse_attention(value: str | dict | AttentionSpec) -> AttentionSpec:
     """An `AttentionSpec` from a preset name, a JSON object of spec fields, or a path to a JSON file."""
     source = None  # where the spec's fields come from, when not a preset name
     if isinstance(value, str) and value.lstrip().startswith(("{", "[")):
         source = f"--attention {value!r}"
         value = _json(value, source)
-    elif isinstance(value, str) and value.endswith(".json"):
+    elif is_attention_file(value):
         if not Path(value).is_file():
             raise FileNotFoundError(f"--attention file {value!r} does not exist")
         source = f"--attention file {value!r}"

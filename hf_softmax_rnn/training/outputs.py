@@ -33,7 +33,7 @@ from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_
 from hf_softmax_rnn.errors import CommandError
 from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
-from hf_softmax_rnn.training.config import FinetuneConfig
+from hf_softmax_rnn.training.config import FinetuneConfig, is_attention_file
 from hf_softmax_rnn.training.disk import reporting_full_disk
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
@@ -133,9 +133,9 @@ def portable_config(run: RunSummary) -> dict:
     """The run's settings with local paths relative to the output folder (itself ".")."""
     config = run.config.to_dict()
     config["output_dir"] = "."
-    for name in ("model", "attention"):
-        if isinstance(config[name], str):
-            config[name] = portable_path(config[name], run.output_dir)
+    config["model"] = portable_path(config["model"], run.output_dir)
+    if is_attention_file(config["attention"]):
+        config["attention"] = portable_path(config["attention"], run.output_dir)
     sources = run.config.dataset_sources
     config["dataset"] = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
     return config

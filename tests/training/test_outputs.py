@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_softmax_rnn import convert
+from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.training import Finetuner, finetune, outputs
 from hf_softmax_rnn.training.outputs import save_model
@@ -127,6 +127,15 @@ def test_card_and_results_name_no_local_absolute_path(tiny_models, tmp_path):
     assert results["dataset"] == "../../data/texts.txt"
     assert (out / results["model"]).resolve() == Path(tiny_models["llama"]).resolve()
     assert "`../../data/texts.txt`" in (out / "README.md").read_text()
+
+
+def test_a_spec_given_as_json_is_recorded_as_given_however_long(tiny_models, tmp_path):
+    spec = json.dumps(AttentionSpec.from_preset("hedgehog_window_64_sinks_4_decay").to_dict())
+    assert len(spec) > 255  # longer than a file name may be: it must never be taken for a path
+    out = tmp_path / "out"
+    finetune(tiny_config(tiny_models["llama"], out, attention=spec, transfer_steps=0, finetune_steps=1))
+    assert json.loads((out / "results.json").read_text())["config"]["attention"] == spec
+    assert AutoModelForCausalLM.from_pretrained(out).config.attention_spec(0) == AttentionSpec.coerce(json.loads(spec))
 
 
 def test_outputs_do_not_import_the_trainer():
