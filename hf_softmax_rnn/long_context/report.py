@@ -165,7 +165,8 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
                 label=name,
                 color=colours[name],
             )
-    for axis, ylabel in [(curves, "perplexity")] + [(ratios, f"perplexity / {reference}")] * compared:
+    panels = [(curves, "perplexity"), (ratios, f"perplexity / {reference}")] if compared else [(curves, "perplexity")]
+    for axis, ylabel in panels:
         axis.set_xticks(places, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
         axis.set_xlabel("position bucket (tokens of context)")
         axis.set_ylabel(ylabel)

@@ -14,7 +14,7 @@ from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kept import select_kept
+from hf_softmax_rnn.ops.kept import rank_scores, select_kept
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
@@ -552,8 +552,7 @@ def _kept_part(q, keys, leaving_values, ranks, candidates, saliency, exact, row_
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
     saliency = torch.cat([earlier, saliency[..., window:]], -1)
-    preceding = torch.cat([state.left_score.to(q.dtype)[..., None], saliency[..., :-1]], -1)
-    ranking = torch.maximum(saliency, preceding)
+    ranking = rank_scores(saliency, state.left_score.to(q.dtype))
     buffers = (
         state.kept_keys.to(q.dtype),
         state.kept_values.to(q.dtype),

@@ -16,8 +16,9 @@ state at the step they leave it: when they leave the window unkept, or later, wh
 key displaces them. At most one key enters per step, so the finite-state part is causal linear attention over
 a re-ordered stream of keys (with a decay, a key decays from its own entry step).
 
+- `rank_scores`: the rank of each key from its saliency and its predecessor's.
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
-  each key's entry step, from all saliencies at once.
+  each key's entry step, from all rank scores at once.
 - `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
   of C steps compares the K kept keys and its C leaving keys (a (K + C) x (K + C) ranking), so time
   and memory are O(L (K + C)), and the K keys, values, rank scores and positions are the state; one
@@ -44,13 +45,20 @@ def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch
     return above & candidate[..., :, None]
 
 
+def rank_scores(saliency: torch.Tensor, first_predecessor: torch.Tensor) -> torch.Tensor:
+    """`[B, Hkv, N]` rank(s) = max(saliency(s), saliency(s - 1)) of N consecutive keys, from their
+    saliencies `[B, Hkv, N]` and the saliency `[B, Hkv]` of the key before the first (0 where none)."""
+    preceding = torch.cat([first_predecessor[..., None], saliency[..., :-1]], -1)
+    return torch.maximum(saliency, preceding)
+
+
 def kept_schedule(
-    saliency: torch.Tensor, candidate: torch.Tensor, window: int, kept: int
+    ranking: torch.Tensor, candidate: torch.Tensor, window: int, kept: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept keys of every query and the step at which each key enters the finite state.
 
     Args:
-        saliency: `[B, Hkv, L]` the rank score of every key (queries at every position).
+        ranking: `[B, Hkv, L]` the rank score of every key (`rank_scores`; queries at every position).
         candidate: `[B, L]` bool: the key may be kept (visible and not a sink).
         window: W; kept: K.
 
@@ -59,10 +67,10 @@ def kept_schedule(
         key s enters the finite state (s + W when it is never kept; L or more when it is still kept at
         the last query)).
     """
-    length = saliency.shape[-1]
-    positions = torch.arange(length, device=saliency.device)
-    allowed = candidate[:, None, :].expand_as(saliency)
-    above = _ranks_above(saliency, positions.expand_as(saliency), allowed)  # [B, Hkv, i, s]
+    length = ranking.shape[-1]
+    positions = torch.arange(length, device=ranking.device)
+    allowed = candidate[:, None, :].expand_as(ranking)
+    above = _ranks_above(ranking, positions.expand_as(ranking), allowed)  # [B, Hkv, i, s]
     outranked = above.long().cumsum(-2)  # [B, Hkv, i, s]: candidates <= i that rank above s
     left = positions[:, None] - window  # the last key out of the window at query t
     rows = outranked[..., left.clamp_min(0).squeeze(-1), :]  # [B, Hkv, t, s]
@@ -174,7 +182,7 @@ def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, 
     may hold them in another order."""
     keys, values, scores, positions, valid = buffers
     ranked = torch.where(valid, scores, torch.full_like(scores, -torch.inf))
-    ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest saliency
+    ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest rank
     weakest = positions.masked_fill(~ties, -1).argmax(-1, keepdim=True)  # of equals, the latest ranks lowest
     free = ~valid.gather(-1, weakest)
     takes = candidate[:, None, :] & (free | (leaving_score > scores.gather(-1, weakest)))  # [B, Hkv, 1]

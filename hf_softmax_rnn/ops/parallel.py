@@ -9,11 +9,10 @@ are the last Lq positions); key_mask `[B, Lk]` bool (True = visible).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.decay import decay_weights
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kept import kept_schedule
+from hf_softmax_rnn.ops.kept import kept_schedule, rank_scores
 from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
 from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
@@ -71,7 +70,7 @@ def parallel_scores(
         in_window = near & ~sink[:, None, None, None, :]
         probabilities = torch.softmax(x.masked_fill(~in_window, float("-inf")), -1).nan_to_num(0.0)
         saliency = (probabilities.detach() * key_mask[:, None, None, :, None]).amax(dim=(2, 3))
-        ranking = torch.maximum(saliency, F.pad(saliency, (1, 0))[..., :-1])  # a key ranks with its predecessor
+        ranking = rank_scores(saliency, torch.zeros_like(saliency[..., 0]))
         kept_mask, entry = kept_schedule(ranking, key_mask & ~sink, window, kept)
         near = near | (visible & kept_mask[:, :, None])
     x = x.masked_fill(~near, float("-inf"))
