@@ -227,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and length")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bfloat16 autocast on cuda)")
     parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="every model recomputes its decoder layers' activations in the backward pass (as finetune's flag)",
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path("bench_train"), help="writes OUTPUT/bench_train.{md,json,png}"
     )
     args = parser.parse_args(argv)
@@ -257,11 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
     trainers.insert(0, Trainer(BASELINE, base_model, device))
+    if args.gradient_checkpointing:
+        for trainer in trainers:
+            trainer.model.activation_checkpointing_enable({"use_reentrant": False})
     hardware = hardware_name(device)
     precision = "bfloat16 autocast" if device.type == "cuda" else "float32"
     title = (
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: training step (fwd+bwd+AdamW), "
-        f"{args.tokens_per_step} tokens per step, {precision}, {hardware}; median of {args.steps}"
+        f"{args.tokens_per_step} tokens per step, {precision}"
+        f"{', activation checkpointing' if args.gradient_checkpointing else ''}, {hardware}; median of {args.steps}"
     )
     run_benchmark(trainers, config.vocab_size, args, lambda done: write_report(done, args, title))
     print((args.output / "bench_train.md").read_text(), end="")

@@ -48,6 +48,7 @@ RESUMABLE_CHANGES = frozenset(
         "long_eval_sequences",
         "long_eval_passkey",
         "long_eval_trials",
+        "gradient_checkpointing",
     }
 )
 
@@ -230,6 +231,12 @@ class FinetuneConfig:
     mixed_precision: str = option("no", "autocast dtype", choices=MIXED_PRECISION, group=_OPTIM)
     seed: int = option(0, "seed of data order and initialisation", group=_OPTIM)
     cpu: bool = option(False, "train on CPU even where a GPU is available", group=_OPTIM)
+    gradient_checkpointing: bool = option(
+        False,
+        "keep no decoder layer's activations for the backward pass but recompute them there: the same gradients "
+        "in less memory, at the cost of a second forward pass",
+        group=_OPTIM,
+    )
 
     eval_every: int = option(50, "held-out perplexity every N steps of a stage (and at its end)", group=_OUTPUT)
     save_every: int = option(50, "checkpoint every N steps of a stage (and at its end)", group=_OUTPUT)

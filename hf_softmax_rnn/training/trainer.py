@@ -183,6 +183,8 @@ class Finetuner:
             self.converted = convert(
                 self.base_model, config.attention_spec, layers=config.layers, attention_mode=config.attention_mode
             )
+            if config.gradient_checkpointing:
+                self.converted.activation_checkpointing_enable({"use_reentrant": False})
             teacher = self.base_model.requires_grad_(False) if config.finetune_loss == "distill" else None
             self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets, teacher=teacher)
         with self.accelerator.main_process_first(), user_input_checks():  # too little data for one block

@@ -79,6 +79,32 @@ def test_training_steps_change_the_weights_of_every_model(tmp_path, monkeypatch)
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
+def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkeypatch):
+    """--gradient-checkpointing: each decoder layer of every model (the original too) runs its forward
+    twice per training step, against once without the flag (counted at each layer's MLP)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    module = _load_script(monkeypatch)
+    forward, calls = LlamaMLP.forward, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaMLP, "forward", counted)
+    counts = {}
+    for flag in ([], ["--gradient-checkpointing"]):
+        calls.clear()
+        output = tmp_path / f"bench{len(flag)}"
+        argv = ["--model", str(_config_dir(tmp_path)), "--presets", "linear_elu", "--lengths", "16", *flag]
+        module.main(argv + ["--tokens-per-step", "32", "--steps", "1", "--warmup", "1", "--output", str(output)])
+        counts[bool(flag)] = len(calls)
+        title = json.loads((output / "bench_train.json").read_text())["title"]
+        assert ("activation checkpointing" in title) == bool(flag)
+    layers, models, steps = 2, 2, 2  # the config's layers, transformers + linear_elu, warm-up + timed
+    assert counts == {False: layers * models * steps, True: 2 * layers * models * steps}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.training import finetune
 from hf_softmax_rnn.training.data import eval_blocks
 from hf_softmax_rnn.training.metrics import read_metrics
@@ -163,3 +164,32 @@ def test_lora_finetune_trains_the_decay_projection(tiny_models, tmp_path):
     decay = [name for name in trained if ".rnn_params.decay_proj." in name]
     assert len(decay) == 2 * converted.config.num_hidden_layers
     assert all(not torch.equal(trained[name], converted.state_dict()[name]) for name in decay)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_checkpointing_recomputes_each_layer_and_trains_the_same_weights(
+    tiny_models, tmp_path, family, monkeypatch
+):
+    """--gradient-checkpointing runs every converted layer's training forward twice (once more in the
+    backward pass) and ends with the weights of the plain run (kept positions, sinks and decay included)."""
+    attention_class = {"llama": SoftmaxRNNLlamaAttention, "gpt2": SoftmaxRNNGPT2Attention}[family]
+    forward = attention_class.forward
+    calls = []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.training and torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention_class, "forward", counted)
+    attention = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
+    runs = {}
+    for checkpointing in (False, True):
+        calls.clear()
+        out = tmp_path / f"checkpointing_{checkpointing}"
+        finetune(tiny_config(tiny_models[family], out, attention=attention, gradient_checkpointing=checkpointing))
+        runs[checkpointing] = (sum(calls), weights(out))
+    (plain_calls, plain), (checkpointed_calls, checkpointed) = runs[False], runs[True]
+    assert checkpointed_calls == 2 * plain_calls > 0
+    assert checkpointed.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
