@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from torch import nn
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 from transformers import initialization as init
 
@@ -46,6 +47,12 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
     )
 
 
+def source_attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    """The attention module of each decoder block of a model `convert` accepts, in layer order."""
+    block_class, name, _ = _family(model)[1].attention_slot
+    return [getattr(block, name) for block in model.modules() if isinstance(block, block_class)]
+
+
 def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
     """`path` itself, unless it looks like a folder (absolute, starting with "." or "~", or with more
     than one "/") that does not exist: then FileNotFoundError says so (transformers would report a
@@ -58,10 +65,25 @@ def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
     return name
 
 
-def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str, str] | None:
-    """Keep exact softmax in every layer not listed in `layers`."""
-    if layers is None:
-        return None
+def _layer_overrides(
+    layers: Iterable[int] | None, specs: Mapping[int, AttentionSpec | dict | str] | None, num_layers: int
+) -> dict[str, AttentionSpec | dict | str] | None:
+    """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names."""
+    converted = range(num_layers) if layers is None else _converted_layers(layers, num_layers)
+    unconverted = {str(i): "softmax" for i in range(num_layers) if i not in set(converted)}
+    specs = dict(specs or {})
+    outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in set(converted)]
+    if outside:
+        raise ValueError(
+            f"convert(layer_attention=...) names layers {outside}; expected indices of converted layers "
+            f"({_ranges(converted)})"
+        )
+    overrides = unconverted | {str(i): spec for i, spec in specs.items()}
+    return overrides or None
+
+
+def _converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
+    """`layers` checked: a non-empty list of distinct indices in 0..num_layers - 1."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise TypeError(
             f"convert(layers={layers!r}): expected None or a list of layer indices in 0..{num_layers - 1} "
@@ -73,7 +95,12 @@ def _layer_overrides(layers: Iterable[int] | None, num_layers: int) -> dict[str,
         raise ValueError(
             f"convert(layers={chosen!r}): expected a non-empty list of distinct layer indices in 0..{num_layers - 1}"
         )
-    return {str(i): "softmax" for i in range(num_layers) if i not in set(chosen)}
+    return chosen
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    indices = sorted(indices)
+    return f"{indices[0]}..{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else str(indices)
 
 
 def convert(
@@ -82,6 +109,7 @@ def convert(
     layers: Iterable[int] | None = None,
     *,
     attention_mode: str = "parallel",
+    layer_attention: Mapping[int, AttentionSpec | dict | str] | None = None,
     **from_pretrained_kwargs,
 ) -> PreTrainedModel:
     """A softmax_rnn copy of a pretrained `LlamaForCausalLM` / `GPT2LMHeadModel`.
@@ -95,6 +123,8 @@ def convert(
             softmax (a hybrid).
         attention_mode: forward mode without cache for finite-state layers ("parallel" or
             "chunked").
+        layer_attention: another spec for some converted layers, by index (for example a larger
+            `kept` budget in the retrieval layers, `long_context.retrieval_layer_attention`).
         **from_pretrained_kwargs: passed to `from_pretrained` when loading from a path (dtype, ...).
 
     Returns:
@@ -119,7 +149,7 @@ def convert(
     config = config_class(
         **fields,
         attention=spec,
-        layer_attention=_layer_overrides(layers, source.config.num_hidden_layers),
+        layer_attention=_layer_overrides(layers, layer_attention, source.config.num_hidden_layers),
         attention_mode=attention_mode,
     )
     with init.no_init_weights():  # every weight but rnn_params (initialised on construction) is loaded next

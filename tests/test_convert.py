@@ -108,6 +108,29 @@ def test_listed_layers_are_converted_and_the_rest_keep_softmax(family):
     assert converted.config.layer_types == ["softmax_rnn_recurrent", "full_attention", "softmax_rnn_recurrent"]
 
 
+def test_layer_attention_gives_converted_layers_their_own_spec(family):
+    spec = AttentionSpec.from_preset("hedgehog_window_64_sinks_4")
+    wider = AttentionSpec.from_preset("hedgehog_window_64_sinks_4", window=6)
+    converted = convert(SOURCES[family](), spec, layers=[1, 2], layer_attention={2: wider})
+    specs = [module.attention_spec for module in softmax_rnn_attention_modules(converted)]
+    assert specs == [AttentionSpec.from_preset("softmax"), spec, wider]
+    assert [converted.config.attention_spec(i) for i in range(3)] == specs
+
+
+@pytest.mark.parametrize(
+    ("layers", "layer_attention", "message"),
+    [
+        (None, {3: "linear_elu"}, r"names layers \[3\]; expected indices of converted layers \(0..2\)"),
+        ([0, 2], {1: "linear_elu"}, r"names layers \[1\]; expected indices of converted layers \(\[0, 2\]\)"),
+        (None, {"1": "linear_elu"}, r"names layers \['1'\]"),
+    ],
+    ids=["out-of-range", "unconverted", "string-key"],
+)
+def test_layer_attention_outside_the_converted_layers_raises(layers, layer_attention, message):
+    with pytest.raises(ValueError, match=message):
+        convert(SOURCES["llama"](), "linear_elu", layers=layers, layer_attention=layer_attention)
+
+
 def test_new_parameters_start_at_their_documented_initialisation(family):
     converted = convert(SOURCES[family](), "gated_softmax")
     params = [module for module in converted.modules() if isinstance(module, RNNParams)]

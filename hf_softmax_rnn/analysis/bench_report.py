@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -98,7 +99,7 @@ def plot_panels(
         axis.set_ylabel(ylabel)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle(textwrap.fill(title, 80 * len(panels)), fontsize=9)  # a long title on as many lines as it needs
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

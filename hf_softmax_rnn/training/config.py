@@ -117,15 +117,21 @@ RECIPE_SCHEDULES = {
 WIDE_WINDOW = 256
 
 
+#: Retrieval layers of a spec with kept positions (passkey at 1,024 / 2,048 tokens on the default's weights:
+#: 80 % / 70 % with none, 95 % / 85 % with layer 18 alone, 100 % / 90 % with the top 4; docs/long_context.md).
+KEPT_RETRIEVAL_LAYERS = 4
+
+
 def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
-    """Stage settings for `spec` where the user gave none (see `RECIPE_SCHEDULES`)."""
+    """Stage settings and retrieval layers for `spec` where the user gave none (see `RECIPE_SCHEDULES`)."""
+    retrieval = {"retrieval_layers": KEPT_RETRIEVAL_LAYERS if spec.kept is not None else 0}
     if spec.window is not None and spec.window >= WIDE_WINDOW:
-        return RECIPE_SCHEDULES["wide_window"]
+        return RECIPE_SCHEDULES["wide_window"] | retrieval
     if spec.window is not None:
-        return RECIPE_SCHEDULES["window"]
+        return RECIPE_SCHEDULES["window"] | retrieval
     if spec.feature_map == "hedgehog":
-        return RECIPE_SCHEDULES["learned_map"]
-    return DEFAULT_SCHEDULE
+        return RECIPE_SCHEDULES["learned_map"] | retrieval
+    return DEFAULT_SCHEDULE | retrieval
 
 
 # Sections of `hf-softmax-rnn finetune --help`.
@@ -153,6 +159,15 @@ class FinetuneConfig:
         group=_MODEL,
     )
     layers: list[int] | None = option(None, "convert only these layer indices; the others keep softmax", group=_MODEL)
+    retrieval_layers: int | None = option(
+        None,
+        "give this many retrieval layers (those whose heads the unconverted model uses to copy a key from far back, "
+        "found on passkey prompts cut from the training text) --retrieval-kept kept positions; needs a spec with "
+        f"kept (recipe: {KEPT_RETRIEVAL_LAYERS} for such a spec, else 0)",
+        group=_MODEL,
+        **_RECIPE,
+    )
+    retrieval_kept: int = option(2048, "kept positions of each retrieval layer", group=_MODEL)
     attention_mode: str = option(
         "chunked",
         "how finite-state layers compute a whole sequence while training and scoring (same result; chunked needs "
@@ -281,6 +296,7 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)
+        self.retrieval_layers_from_recipe = self.retrieval_layers is None
         for name, value in recipe_defaults(self.attention_spec).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -320,6 +336,7 @@ class FinetuneConfig:
             raise UserInputError("transfer_steps and finetune_steps are both 0: nothing to train; set at least one > 0")
         if self.layers is not None and any(index < 0 for index in self.layers):
             raise UserInputError(f"layers={self.layers} is not allowed; expected layer indices >= 0")
+        self._check_retrieval()
         if self.resume and self.overwrite:
             raise UserInputError("--resume and --overwrite contradict each other (continue or start over); pass one")
         self._check_optimisation()
@@ -337,6 +354,17 @@ class FinetuneConfig:
             passkey_lengths=tuple(length for length in self.long_eval_passkey if length != 0),
             trials=self.long_eval_trials,
         )
+
+    def _check_retrieval(self) -> None:
+        _check_at_least("retrieval_layers", self.retrieval_layers, minimum=0)
+        if not self.retrieval_layers:
+            return
+        if self.attention_spec.kept is None:
+            raise UserInputError(
+                f"retrieval_layers={self.retrieval_layers} needs an attention spec with kept positions; "
+                f"{self.attention_spec.describe()!r} has none (e.g. {DEFAULT_ATTENTION!r} has 256)"
+            )
+        _check_at_least("retrieval_kept", self.retrieval_kept, minimum=self.attention_spec.kept)
 
     def _check_optimisation(self) -> None:
         for name in ("lr", "transfer_lr", "lora_alpha"):

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
@@ -34,6 +35,13 @@ from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import student_outputs
+from hf_softmax_rnn.long_context.retrieval import (
+    DEFAULT_LENGTH,
+    check_retrieval_count,
+    retrieval_layer_attention,
+    retrieval_scores,
+    writes_digit_tokens,
+)
 from hf_softmax_rnn.training.checkpointing import (
     CHECKPOINTS_DIR,
     TRAINER_STATE_FILE,
@@ -181,7 +189,11 @@ class Finetuner:
                 else None
             )
             self.converted = convert(
-                self.base_model, config.attention_spec, layers=config.layers, attention_mode=config.attention_mode
+                self.base_model,
+                config.attention_spec,
+                layers=config.layers,
+                attention_mode=config.attention_mode,
+                layer_attention=self._retrieval_layer_attention(texts["train"]),
             )
             if config.gradient_checkpointing:
                 self.converted.activation_checkpointing_enable({"use_reentrant": False})
@@ -425,6 +437,30 @@ class Finetuner:
             f"({stage.learning_rate:g}) or --max-grad-norm and start a new run with --overwrite ({kept}; no model "
             "was written)"
         )
+
+    def _retrieval_layer_attention(self, train_texts) -> dict[int, AttentionSpec] | None:
+        """The wider kept budget of the `--retrieval-layers` layers, found on the unconverted model with
+        passkey prompts of the training text (None for none). A count that the recipe chose is capped at
+        the model's layers, and dropped with a warning when the tokenizer has no digit tokens."""
+        config, layers = self.config, self.base_model.config.num_hidden_layers
+        count = min(config.retrieval_layers, layers) if config.retrieval_layers_from_recipe else config.retrieval_layers
+        check_retrieval_count(count, layers)
+        if count and config.retrieval_layers_from_recipe and not writes_digit_tokens(self.tokenizer):
+            logger.warning("No retrieval layers: the tokenizer writes numbers with no digit tokens to score them by")
+            count = 0
+        if not count:
+            return None
+        length = min(DEFAULT_LENGTH, self.base_model.config.max_position_embeddings)
+        texts = (row["text"] for row in train_texts)
+        scores = retrieval_scores(self.base_model, self.tokenizer, texts, length=length, progress=config.progress)
+        overrides = retrieval_layer_attention(config.attention_spec, scores, count, config.retrieval_kept)
+        logger.info(
+            "Retrieval layers %s (best KV-head scores %s) keep %d positions",
+            sorted(overrides),
+            ", ".join(f"{scores[layer].max():.2f}" for layer in overrides),
+            config.retrieval_kept,
+        )
+        return overrides
 
     def _record_layer_mse(self, model: nn.Module, point: str) -> None:
         """Held-out per-layer transfer MSE of every held-out block (main process only) into the output folder."""

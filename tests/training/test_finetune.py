@@ -193,3 +193,53 @@ def test_gradient_checkpointing_recomputes_each_layer_and_trains_the_same_weight
     assert checkpointed.keys() == plain.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_retrieval_layers_keep_more_positions_in_the_layers_that_copy_the_key(tmp_path):
+    """--retrieval-layers 1: the layer whose heads put the most attention on the key (found on the
+    unconverted model) is saved with --retrieval-kept kept positions, the other layer with the spec's."""
+    from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
+    from hf_softmax_rnn.long_context.retrieval import retrieval_layers, retrieval_scores
+    from tests.long_context.helpers import tiny_llama
+
+    model_dir = tmp_path / "byte_llama"
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    attention = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, chunk_size=4)
+    config = tiny_config(str(model_dir), tmp_path / "out", attention=attention, retrieval_layers=1, retrieval_kept=8)
+    finetune(config)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    texts = load_corpus()["train"]["text"]
+    expected = retrieval_layers(retrieval_scores(base, byte_tokenizer(), texts, length=512, progress=False), 1)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    kept = [saved.config.attention_spec(i).kept for i in range(saved.config.num_hidden_layers)]
+    assert kept == [8 if i in expected else 2 for i in range(len(kept))]
+
+
+def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_tokenizer_allow(
+    tiny_models, tmp_path, caplog
+):
+    """Left unset, --retrieval-layers is 4 for a spec with kept positions, capped at the model's 2 layers;
+    with a tokenizer that has no digit tokens (the word-level one) the run goes on without, saying so."""
+    from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
+    from tests.long_context.helpers import tiny_llama
+
+    attention = dict(kind="linear", feature_map="elu", window=4, kept=2, chunk_size=4)
+    model_dir = tmp_path / "byte_llama"
+    tiny_llama().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    config = tiny_config(str(model_dir), tmp_path / "byte", attention=attention, finetune_steps=1, transfer_steps=0)
+    assert config.retrieval_layers == 4
+    finetune(config)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "byte")
+    assert [saved.config.attention_spec(i).kept for i in range(2)] == [2048, 2048]
+    config = tiny_config(
+        tiny_models["llama"], tmp_path / "word", attention=attention, finetune_steps=1, transfer_steps=0
+    )
+    with caplog.at_level("WARNING"):
+        finetune(config)
+    assert "No retrieval layers: the tokenizer writes numbers with no digit tokens" in caplog.text
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "word")
+    assert [saved.config.attention_spec(i).kept for i in range(2)] == [2, 2]
+    assert tiny_config(tiny_models["llama"], tmp_path / "x", attention="hedgehog_window_64").retrieval_layers == 0

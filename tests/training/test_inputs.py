@@ -47,6 +47,16 @@ BAD_RUNS = {
         "every attention layer is exact softmax",
     ),
     "layer-out-of-range": (dict(layers=[0, 7]), UserInputError, r"layers=\[0, 7\]"),
+    "retrieval-layers-above-the-model": (
+        dict(attention=dict(kind="linear", feature_map="elu", window=4, kept=2), retrieval_layers=3),
+        UserInputError,
+        r"retrieval layer count=3 is not allowed; expected an int in 0..2",
+    ),
+    "retrieval-layers-with-a-word-tokenizer": (
+        dict(attention=dict(kind="linear", feature_map="elu", window=4, kept=2), retrieval_layers=1),
+        UserInputError,
+        r"the tokenizer writes a key with no token that decodes to digits alone",
+    ),
     "missing-model": (dict(model="{tmp}/no_model"), FileNotFoundError, "no_model"),
 }
 
@@ -118,6 +128,18 @@ BAD_SETTINGS = {
     "eval-block-size-1": (dict(eval_block_size=1), r"eval_block_size=1 is not allowed; expected an int >= 2"),
     "generated-texts-0": (dict(generated_texts=0), r"generated_texts=0 is not allowed"),
     "dataset-source-twice": (dict(dataset="pydoc+pydoc"), r"dataset='pydoc\+pydoc' is not allowed"),
+    "retrieval-layers-negative": (
+        dict(retrieval_layers=-1),
+        r"retrieval_layers=-1 is not allowed; expected a number >= 0",
+    ),
+    "retrieval-layers-without-kept": (
+        dict(attention="hedgehog_window_64", retrieval_layers=2),
+        r"retrieval_layers=2 needs an attention spec with kept positions; .* has none",
+    ),
+    "retrieval-kept-below-the-spec": (
+        dict(attention="hedgehog_window_256_sinks_4_kept_256_decay", retrieval_layers=2, retrieval_kept=128),
+        r"retrieval_kept=128 is not allowed; expected a number >= 256",
+    ),
     "resume-and-overwrite": (
         dict(resume=True, overwrite=True),
         r"--resume and --overwrite contradict each other .*; pass one",
