@@ -4,8 +4,8 @@ The unconverted model reads passkey prompts (`passkey.passkey_prompt`) made of c
 with the key appended as the answer. A query head's retrieval score is the attention weight that the
 positions predicting the answer put on the key's digits in the prompt (both occurrences), averaged
 over the answer positions and the prompts; a KV head scores the largest of its query heads. Few heads
-score high (in SmolLM2-135M-Instruct, one KV head in each of layers 18 and 21 above 0.75, most below
-0.05), and those are the ones a converted hybrid needs most exact keys in: `retrieval_layer_attention`
+score high (in SmolLM2-135M-Instruct, one KV head in each of layers 18 and 21 above 0.75, two thirds
+below 0.05), and those are the ones a converted hybrid needs most exact keys in: `retrieval_layer_attention`
 gives the top layers a larger `kept` budget, to pass as `layer_attention` to `from_pretrained` or
 `convert`. Calibrate on text of the kind the model will read, not on the evaluation text.
 """
@@ -67,19 +67,17 @@ def retrieval_scores(
     scores = torch.zeros(config.num_hidden_layers, config.num_attention_heads, dtype=torch.float64)
     rng = random.Random(seed)
     cases = [(depth, trial) for depth in depths for trial in range(trials)]
-    with _eager_attention_weights(model) as weights, torch.no_grad():
+    with _AttentionOnKey(model) as reader, torch.no_grad():
         for depth, _ in tqdm(cases, desc="Retrieval heads", unit="prompt", disable=not progress):
             key = rng.randrange(10000, 100000)
             offset = rng.randrange(0, len(stream) - length + ANSWER_ROOM + 1)
             prompt = passkey_prompt(tokenizer, stream[offset:], length - ANSWER_ROOM, depth, key)
             answer = tokenizer(f" {key}", add_special_tokens=False)["input_ids"]
-            key_positions = _key_positions(tokenizer, prompt, key)
-            answering = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
-            weights.clear()
+            reader.queries = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+            reader.keys = torch.tensor(_key_positions(tokenizer, prompt, key))
+            reader.per_layer.clear()
             model(input_ids=torch.tensor([prompt + answer], device=model.device), use_cache=False)
-            for layer, weight in enumerate(weights):  # [1, H, T, T]
-                on_key = weight[0][:, answering][:, :, key_positions].sum(-1).mean(-1)
-                scores[layer] += on_key.double().cpu()
+            scores += torch.stack(reader.per_layer).double().cpu()
     scores /= len(cases)
     return scores.view(config.num_hidden_layers, kv_heads, group).amax(-1).float()
 
@@ -125,19 +123,24 @@ def _key_positions(tokenizer, prompt: list[int], key: int) -> list[int]:
     return [start + j for j, token in enumerate(needle) if tokenizer.decode([token]).strip().isdigit()]
 
 
-class _eager_attention_weights:
-    """Context manager: the model computes attention eagerly and the list it yields collects each
-    layer's attention weights `[B, H, T, T]` of the last forward; the implementation is restored after."""
+class _AttentionOnKey:
+    """Context manager: the model computes attention eagerly, and after each forward `per_layer` holds
+    every layer's `[H]` weight from `queries` onto `keys` (summed over the keys, mean over the queries);
+    the attention implementation is restored after."""
 
     def __init__(self, model) -> None:
-        self.model, self.weights, self.hooks = model, [], []
+        self.model, self.hooks, self.per_layer = model, [], []
+        self.queries = self.keys = torch.zeros(0, dtype=torch.long)
 
-    def __enter__(self) -> list[torch.Tensor]:
+    def _read(self, _module, _inputs, output) -> None:
+        weights = output[1][0]  # [H, T, T]: each attention module returns (output, weights)
+        self.per_layer.append(weights[:, self.queries][:, :, self.keys].sum(-1).mean(-1))
+
+    def __enter__(self) -> _AttentionOnKey:
         self.previous = self.model.config._attn_implementation
         self.model.set_attn_implementation("eager")
-        for module in source_attention_modules(self.model):  # each returns (output, weights)
-            self.hooks.append(module.register_forward_hook(lambda _m, _i, output: self.weights.append(output[1])))
-        return self.weights
+        self.hooks = [module.register_forward_hook(self._read) for module in source_attention_modules(self.model)]
+        return self
 
     def __exit__(self, *exc) -> None:
         for hook in self.hooks:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,7 +201,11 @@ def finetune_stage(
             fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
             task_type="CAUSAL_LM",
         )
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            return get_peft_model(model, lora)
 
     def setup_full(model: nn.Module) -> nn.Module:
         return model.requires_grad_(True)

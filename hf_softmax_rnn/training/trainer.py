@@ -454,12 +454,8 @@ class Finetuner:
         texts = (row["text"] for row in train_texts)
         scores = retrieval_scores(self.base_model, self.tokenizer, texts, length=length, progress=config.progress)
         overrides = retrieval_layer_attention(config.attention_spec, scores, count, config.retrieval_kept)
-        logger.info(
-            "Retrieval layers %s (best KV-head scores %s) keep %d positions",
-            sorted(overrides),
-            ", ".join(f"{scores[layer].max():.2f}" for layer in overrides),
-            config.retrieval_kept,
-        )
+        ranked = ", ".join(f"{layer} ({scores[layer].max():.2f})" for layer in overrides)
+        logger.info("Retrieval layers (best KV-head score) %s keep %d positions", ranked, config.retrieval_kept)
         return overrides
 
     def _record_layer_mse(self, model: nn.Module, point: str) -> None:

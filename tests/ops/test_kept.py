@@ -90,6 +90,8 @@ SPECS = {
         kind="recurrent_softmax", taylor_order=2, window=2, kept=1, decay=True, chunk_size=3
     ),
     "elu_w1_kept4_sinks1_decay": AttentionSpec(kind="linear", feature_map="elu", window=1, sinks=1, kept=4, decay=True),
+    "elu_w2_kept6_c3_fills_up": AttentionSpec(kind="linear", feature_map="elu", window=2, kept=6, chunk_size=3),
+    "elu_w2_kept16_all_fit": AttentionSpec(kind="linear", feature_map="elu", window=2, kept=16, chunk_size=4),
 }
 
 

@@ -243,3 +243,14 @@ def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_toke
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "word")
     assert [saved.config.attention_spec(i).kept for i in range(2)] == [2, 2]
     assert tiny_config(tiny_models["llama"], tmp_path / "x", attention="hedgehog_window_64").retrieval_layers == 0
+
+
+def test_lora_setup_raises_no_deprecation_warning_from_peft(tiny_models, tmp_path):
+    """PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps the model; a run does
+    not pass that FutureWarning on to the user."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        finetune(tiny_config(tiny_models["llama"], tmp_path / "out", transfer_steps=0, finetune_steps=1))
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
