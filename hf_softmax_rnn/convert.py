@@ -76,7 +76,7 @@ def _layer_overrides(
     if outside:
         raise ValueError(
             f"convert(layer_attention=...) names layers {outside}; expected indices of converted layers "
-            f"({_ranges(converted)})"
+            f"{list(converted)}"
         )
     overrides = unconverted | {str(i): spec for i, spec in specs.items()}
     return overrides or None
@@ -96,11 +96,6 @@ def _converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
             f"convert(layers={chosen!r}): expected a non-empty list of distinct layer indices in 0..{num_layers - 1}"
         )
     return chosen
-
-
-def _ranges(indices: Iterable[int]) -> str:
-    indices = sorted(indices)
-    return f"{indices[0]}..{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else str(indices)
 
 
 def convert(

@@ -120,8 +120,8 @@ def test_layer_attention_gives_converted_layers_their_own_spec(family):
 @pytest.mark.parametrize(
     ("layers", "layer_attention", "message"),
     [
-        (None, {3: "linear_elu"}, r"names layers \[3\]; expected indices of converted layers \(0..2\)"),
-        ([0, 2], {1: "linear_elu"}, r"names layers \[1\]; expected indices of converted layers \(\[0, 2\]\)"),
+        (None, {3: "linear_elu"}, r"names layers \[3\]; expected indices of converted layers \[0, 1, 2\]"),
+        ([0, 2], {1: "linear_elu"}, r"names layers \[1\]; expected indices of converted layers \[0, 2\]"),
         (None, {"1": "linear_elu"}, r"names layers \['1'\]"),
     ],
     ids=["out-of-range", "unconverted", "string-key"],

@@ -88,6 +88,17 @@ def check_retrieval_count(count: int, num_layers: int) -> None:
         raise UserInputError(f"retrieval layer count={count!r} is not allowed; expected an int in 0..{num_layers}")
 
 
+def check_retrieval_budget(spec: AttentionSpec, kept: int) -> None:
+    """Refuse a spec without kept positions, or a retrieval budget below the spec's own."""
+    if spec.kept is None:
+        raise UserInputError(
+            f"a larger kept budget for retrieval layers needs a spec with kept positions; {spec.describe()!r} has "
+            "none (e.g. 'hedgehog_window_256_sinks_4_kept_256_decay' has 256)"
+        )
+    if isinstance(kept, bool) or not isinstance(kept, int) or kept < spec.kept:
+        raise UserInputError(f"retrieval kept={kept!r} is not allowed; expected an int >= the spec's kept={spec.kept}")
+
+
 def retrieval_layers(scores: torch.Tensor, count: int) -> list[int]:
     """The `count` layers whose best KV head scores highest (`scores` from `retrieval_scores`), in order."""
     check_retrieval_count(count, scores.shape[0])
@@ -100,12 +111,7 @@ def retrieval_layer_attention(
     """`layer_attention` that gives the `count` top retrieval layers `kept` kept positions (the other
     layers keep `spec`); `spec` must already keep positions (a window and `kept`)."""
     spec = AttentionSpec.coerce(spec)
-    if spec.kept is None:
-        raise UserInputError(
-            f"a larger kept budget for retrieval layers needs a spec with kept positions; got {spec.describe()!r}"
-        )
-    if isinstance(kept, bool) or not isinstance(kept, int) or kept < spec.kept:
-        raise UserInputError(f"retrieval kept={kept!r} is not allowed; expected an int >= the spec's kept={spec.kept}")
+    check_retrieval_budget(spec, kept)
     wider = dataclasses.replace(spec, kept=kept)
     return {layer: wider for layer in retrieval_layers(scores, count)}
 

@@ -134,11 +134,11 @@ BAD_SETTINGS = {
     ),
     "retrieval-layers-without-kept": (
         dict(attention="hedgehog_window_64", retrieval_layers=2),
-        r"retrieval_layers=2 needs an attention spec with kept positions; .* has none",
+        r"a larger kept budget for retrieval layers needs a spec with kept positions; .* has none",
     ),
     "retrieval-kept-below-the-spec": (
         dict(attention="hedgehog_window_256_sinks_4_kept_256_decay", retrieval_layers=2, retrieval_kept=128),
-        r"retrieval_kept=128 is not allowed; expected a number >= 256",
+        r"retrieval kept=128 is not allowed; expected an int >= the spec's kept=256",
     ),
     "resume-and-overwrite": (
         dict(resume=True, overwrite=True),
