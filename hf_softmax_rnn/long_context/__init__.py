@@ -1,9 +1,11 @@
 """Long-context evaluation: perplexity per position bucket and passkey retrieval, on texts of
-another kind than the training corpus (`data/eval_texts.py`), for a model beside the original."""
+another kind than the training corpus (`data/eval_texts.py`), for a model beside the original; and the
+retrieval heads of an unconverted model, which decide where a hybrid keeps more exact keys."""
 
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, passkey_retrieval
 from hf_softmax_rnn.long_context.positions import DEFAULT_BUCKETS, position_perplexity
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
+from hf_softmax_rnn.long_context.retrieval import retrieval_layer_attention, retrieval_layers, retrieval_scores
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -14,4 +16,7 @@ __all__ = [
     "passkey_retrieval",
     "plot_long_context",
     "position_perplexity",
+    "retrieval_layer_attention",
+    "retrieval_layers",
+    "retrieval_scores",
 ]
