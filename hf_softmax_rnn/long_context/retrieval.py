@@ -118,15 +118,20 @@ def retrieval_layer_attention(
 
 def writes_digit_tokens(tokenizer) -> bool:
     """Whether `tokenizer` writes a key with tokens that decode to digits alone (what the scores read)."""
-    ids = tokenizer(NEEDLE.format(key=12345), add_special_tokens=False)["input_ids"]
-    return any(tokenizer.decode([token]).strip().isdigit() for token in ids)
+    return bool(_digit_offsets(tokenizer, 12345)[1])
+
+
+def _digit_offsets(tokenizer, key: int) -> tuple[list[int], list[int]]:
+    """(the token ids of the key sentence, the offsets in it of the tokens that decode to digits alone)."""
+    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    return needle, [j for j, token in enumerate(needle) if tokenizer.decode([token]).strip().isdigit()]
 
 
 def _key_positions(tokenizer, prompt: list[int], key: int) -> list[int]:
     """Positions in `prompt` of the digit tokens of the key sentence."""
-    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    needle, offsets = _digit_offsets(tokenizer, key)
     start = next(i for i in range(len(prompt) - len(needle) + 1) if prompt[i : i + len(needle)] == needle)
-    return [start + j for j, token in enumerate(needle) if tokenizer.decode([token]).strip().isdigit()]
+    return [start + offset for offset in offsets]
 
 
 class _AttentionOnKey:

@@ -248,8 +248,8 @@ class FinetuneConfig:
     cpu: bool = option(False, "train on CPU even where a GPU is available", group=_OPTIM)
     gradient_checkpointing: bool = option(
         False,
-        "keep no decoder layer's activations for the backward pass but recompute them there: the same gradients "
-        "in less memory, at the cost of a second forward pass",
+        "keep only each decoder layer's input for the backward pass and recompute the layer there: the same "
+        "gradients in less memory, at the cost of a second forward pass",
         group=_OPTIM,
     )
 
