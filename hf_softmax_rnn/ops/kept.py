@@ -20,9 +20,12 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
   each key's entry step, from all rank scores at once.
 - `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
-  of C steps compares the K kept keys and its C leaving keys (a (K + C) x (K + C) ranking), so time
-  and memory are O(L (K + C)), and the K keys, values, rank scores and positions are the state; one
-  step (decoding) takes a shorter path with the same result (`_select_one`).
+  of C steps compares the N <= K + C candidates (the filled kept slots and its C leaving keys; an
+  N x N ranking, counted once for the slots and cumulatively over the leaving keys), so time and
+  memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots never
+  filled are left out of the candidates (a call that starts empty compares at most its own leaving
+  keys, not K), and put back as empty slots at the end. One step (decoding) takes a shorter path
+  with the same result (`_select_one`).
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
 `[B, Hkv, L, Dv + 1]`, saliencies `[B, Hkv, L]`.
@@ -128,24 +131,25 @@ def select_kept(
         return _select_one(
             q, leaving_keys, leaving_values, leaving_scores, leaving_positions, candidate, buffers, scale
         )
-    keys, values, scores, positions, valid = buffers
-    kept = keys.shape[2]
-    batch, kv_heads, _, length, _ = q.shape
+    kept = buffers[0].shape[2]
+    keys, values, scores, positions, valid = (x[:, :, : _filled_slots(buffers[4])] for x in buffers)
+    kv_heads, length = q.shape[1], q.shape[3]
     entering_keys, entering_values, numerators, maxima = [], [], [], []
     for start in range(0, length, block):
         steps = slice(start, min(start + block, length))
-        size = steps.stop - start
+        size, slots = steps.stop - start, keys.shape[2]
         cand_keys = torch.cat([keys, leaving_keys[..., steps, :]], dim=2)
         cand_values = torch.cat([values, leaving_values[..., steps, :]], dim=2)
         cand_scores = torch.cat([scores, leaving_scores[..., steps]], dim=2)
         cand_positions = torch.cat([positions, leaving_positions[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
         cand_valid = torch.cat([valid, candidate[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
         arrival = torch.cat(
-            [torch.full((kept,), -1, device=q.device), torch.arange(size, device=q.device)]
+            [torch.full((slots,), -1, device=q.device), torch.arange(size, device=q.device)]
         )  # the step of the block from which a candidate has left the window
         arrived = arrival[None, :] <= torch.arange(size, device=q.device)[:, None]  # [C, N]
-        above = _ranks_above(cand_scores, cand_positions, cand_valid).to(q.dtype)
-        outranked = torch.einsum("ci,bhij->bhcj", arrived.to(q.dtype), above)
+        above = _ranks_above(cand_scores, cand_positions, cand_valid)  # [B, Hkv, N, N]
+        # candidates arrived by step c that rank above j: every slot, and the leaving keys up to c
+        outranked = above[:, :, :slots].sum(2, keepdim=True) + above[:, :, slots:].cumsum(2)  # [B, Hkv, C, N]
         is_kept = cand_valid[:, :, None, :] & arrived & (outranked < kept)  # [B, Hkv, C, N]
         before = torch.cat([(cand_valid & (arrival < 0))[:, :, None, :], is_kept[:, :, :-1]], dim=2)
         arriving = arrival[None, :] == torch.arange(size, device=q.device)[:, None]
@@ -155,6 +159,7 @@ def select_kept(
         numerator, row_max = masked_exp_part(q[..., steps, :], cand_keys, cand_values, is_kept[:, :, None], scale)
         numerators.append(numerator)
         maxima.append(row_max)
+        # the kept keys first; at most K of them, so the first min(N, K) slots hold them all
         order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)[..., :kept]
         keys, values = (
             cand_keys.gather(2, order[..., None].expand(-1, -1, -1, cand_keys.shape[-1])),
@@ -162,6 +167,11 @@ def select_kept(
         )
         scores, positions = cand_scores.gather(2, order), cand_positions.gather(2, order)
         valid = is_kept[:, :, -1].gather(2, order)
+    empty = kept - keys.shape[2]
+    keys, values, scores, positions, valid = (
+        torch.nn.functional.pad(x, (0, 0, 0, empty) if x.dim() == 4 else (0, empty))
+        for x in (keys, values, scores, positions, valid)
+    )
     return KeptSelection(
         keys=torch.cat(entering_keys, dim=2),
         values=torch.cat(entering_values, dim=2),
@@ -175,6 +185,13 @@ def select_kept(
     )
 
 
+def _filled_slots(valid: torch.Tensor) -> int:
+    """The number of leading slots that hold every kept key of `valid` `[B, Hkv, K]` (one past the last
+    slot valid in any row): the slots after them are empty in every row."""
+    used = valid.flatten(0, 1).any(0).nonzero()
+    return int(used[-1]) + 1 if len(used) else 0
+
+
 def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, candidate, buffers, scale):
     """`select_kept` for one step (decoding), in fewer operations: the leaving key takes the slot of the
     lowest-ranked kept key (an empty slot first) when it ranks above it, and the displaced key enters
@@ -183,7 +200,8 @@ def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, 
     keys, values, scores, positions, valid = buffers
     ranked = torch.where(valid, scores, torch.full_like(scores, -torch.inf))
     ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest rank
-    weakest = positions.masked_fill(~ties, -1).argmax(-1, keepdim=True)  # of equals, the latest ranks lowest
+    lowest = torch.iinfo(positions.dtype).min  # below every position, -1 (nothing left the window) included
+    weakest = positions.masked_fill(~ties, lowest).argmax(-1, keepdim=True)  # of equals, the latest ranks lowest
     free = ~valid.gather(-1, weakest)
     takes = candidate[:, None, :] & (free | (leaving_score > scores.gather(-1, weakest)))  # [B, Hkv, 1]
     slot = (torch.arange(keys.shape[2], device=q.device) == weakest) & takes  # [B, Hkv, K]

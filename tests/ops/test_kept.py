@@ -14,7 +14,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
-from hf_softmax_rnn.ops.kept import kept_schedule
+from hf_softmax_rnn.ops.kept import kept_schedule, select_kept
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
 from .test_window import _phi
@@ -225,6 +225,54 @@ def test_schedule_keeps_the_top_ranked_and_enters_the_rest_when_displaced():
     assert kept[0, 0, 5].tolist() == [True, False, False, False, True, False]
     # entry: s + W + the steps it stays kept; keys 0 and 4 are still kept at the last query (6 = L)
     assert entry[0, 0].tolist() == [6, 3, 5, 4, 6, 6]
+
+
+def _buffers(scores, positions, valid, dim=2):
+    """Kept buffers `[1, 1, K, ...]` with keys and values 1..K (values with the count column)."""
+    slots = len(scores)
+    keys = torch.arange(1.0, slots + 1, dtype=torch.float64)[:, None].expand(slots, dim)
+    values = torch.cat([keys, torch.ones(slots, 1, dtype=torch.float64)], -1)
+    return (
+        keys[None, None].clone(),
+        values[None, None].clone(),
+        torch.tensor([[scores]], dtype=torch.float64),
+        torch.tensor([[positions]]),
+        torch.tensor([[valid]]),
+    )
+
+
+def _leaving(count, score=0.1, dim=2):
+    """`count` leaving keys (all 9s), each a candidate with rank score `score`, at positions 10, 11, ..."""
+    keys = torch.full((1, 1, count, dim), 9.0, dtype=torch.float64)
+    values = torch.cat([keys, torch.ones(1, 1, count, 1, dtype=torch.float64)], -1)
+    scores = torch.full((1, 1, count), score, dtype=torch.float64)
+    return keys, values, scores, torch.arange(10, 10 + count)[None], torch.ones(1, count, dtype=torch.bool)
+
+
+def test_one_step_fills_an_empty_slot_whatever_position_it_holds():
+    """An empty slot takes the leaving key, also when it holds position -1 (no key left the window)."""
+    q = torch.zeros(1, 1, 1, 1, 2, dtype=torch.float64)
+    buffers = _buffers([0.5, 0.6, 0.0], [0, 1, -1], [True, True, False])
+    selection = select_kept(q, *_leaving(1), buffers, scale=1.0, block=4)
+    assert selection.kept_valid.tolist() == [[[True, True, True]]]
+    assert selection.kept_positions.tolist() == [[[0, 1, 10]]]
+    assert not selection.values.any()  # nothing displaced: nothing enters the finite state
+
+
+def test_empty_slots_between_kept_keys_change_nothing():
+    """A buffer with empty slots before and between its kept keys selects as its compacted form."""
+    q = torch.randn(1, 1, 1, 3, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    holes = _buffers([0.0, 0.9, 0.0, 0.3, 0.0], [-1, 4, 0, 6, -1], [False, True, False, True, False])
+    compact = _buffers([0.9, 0.3, 0.0, 0.0, 0.0], [4, 6, -1, -1, -1], [True, True, False, False, False])
+    compact[0][0, 0, :2], compact[1][0, 0, :2] = holes[0][0, 0, [1, 3]], holes[1][0, 0, [1, 3]]
+    for score in (0.1, 0.5):  # below the kept keys, and between them
+        got, want = (select_kept(q, *_leaving(3, score), b, scale=1.0, block=2) for b in (holes, compact))
+        for name in ("keys", "values", "numerator", "row_max"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+        assert got.kept_keys.shape == want.kept_keys.shape == (1, 1, 5, 2)
+        order = [torch.argsort(s.kept_positions.masked_fill(~s.kept_valid, -9), -1) for s in (got, want)]
+        assert got.kept_positions.gather(2, order[0]).tolist() == want.kept_positions.gather(2, order[1]).tolist()
+        assert got.kept_valid.sum().item() == want.kept_valid.sum().item() == 5
 
 
 @pytest.mark.parametrize(
