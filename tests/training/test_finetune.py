@@ -15,6 +15,7 @@ from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
 from hf_softmax_rnn.training.data import eval_blocks
 from hf_softmax_rnn.training.metrics import read_metrics
 from tests.training.helpers import VOCAB_SIZE, tiny_config, weights
@@ -220,8 +221,9 @@ def test_retrieval_layers_keep_more_positions_in_the_layers_that_copy_the_key(tm
 def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_tokenizer_allow(
     tiny_models, tmp_path, caplog
 ):
-    """Left unset, --retrieval-layers is 4 for a spec with kept positions, capped at the model's 2 layers;
-    with a tokenizer that has no digit tokens (the word-level one) the run goes on without, saying so."""
+    """Left unset, --retrieval-layers is the recipe's count for a spec with kept positions, capped at the
+    model's 2 layers; with a tokenizer that has no digit tokens (the word-level one) the run goes on without,
+    saying so."""
     from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
     from tests.long_context.helpers import tiny_llama
 
@@ -230,7 +232,7 @@ def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_toke
     tiny_llama().save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
     config = tiny_config(str(model_dir), tmp_path / "byte", attention=attention, finetune_steps=1, transfer_steps=0)
-    assert config.retrieval_layers == 4
+    assert config.retrieval_layers == KEPT_RETRIEVAL_LAYERS
     finetune(config)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "byte")
     assert [saved.config.attention_spec(i).kept for i in range(2)] == [2048, 2048]
