@@ -16,10 +16,13 @@ and writes a PNG.
     python scripts/bench_ops.py --device cuda --dtype bfloat16 --output docs/figures/bench_ops_cuda_bf16
     python scripts/bench_ops.py --device cuda --dtype bfloat16 --batch 8 --presets softmax linear_elu fla
     python scripts/bench_ops.py --device cuda --dtype bfloat16 --lengths 16384 --presets hedgehog_window_64 fla
+    python scripts/bench_ops.py --lengths 1024 2048 4096 --presets hedgehog_window_256_sinks_4_kept_256_decay
 
 The row "no state (FlexAttention)" is the window hybrid as training runs it: its window part in
 FlexAttention (`ops.flex_window`), the rest in fla; "chunked" hands a state on and keeps the
 PyTorch window part.
+The two "finetune default" rows are `finetune`'s attention with a decaying state, as its layers
+run (256 kept positions) and as its retrieval layers run (2,048).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.ops import attention, backends
 from hf_softmax_rnn.ops.kernels import AttentionParams
+from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
 
 SHAPE = dict(batch=1, heads=9, kv_heads=3, head_dim=64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,7 +53,8 @@ FLA_REFERENCE = "fla"
 @dataclass(frozen=True)
 class Case:
     """One row: `preset` in `mode` up to `max_length` (the quadratic forms would need tens of GB);
-    `fused`: the GPU kernels allowed; `return_state`: False for training without a cache."""
+    `fused`: the GPU kernels allowed; `return_state`: False for training without a cache; `kept`: the
+    preset's kept positions replaced (as in a retrieval layer)."""
 
     label: str
     preset: str
@@ -58,6 +63,7 @@ class Case:
     fused: bool = True
     return_state: bool = True
     cuda_only: bool = False
+    kept: int | None = None
 
 
 CASES = [
@@ -80,6 +86,8 @@ CASES = [
     Case("Taylor-2, parallel", "softmax_taylor_2", "parallel", 4096),
     Case("Taylor-2, chunked", "softmax_taylor_2", "chunked", 16384),
     Case("Taylor-2, no state (Triton)", "softmax_taylor_2", "chunked", 16384, return_state=False, cuda_only=True),
+    Case("finetune default (256 kept), chunked", DEFAULT_ATTENTION, "chunked", 8192),
+    Case("finetune default, retrieval layer (2,048 kept), chunked", DEFAULT_ATTENTION, "chunked", 8192, kept=2048),
 ]
 ROW_PRESETS = {case.preset for case in CASES}
 
@@ -145,12 +153,16 @@ def _forward(case: Case, chunk_size: int | None, device: str):
     """The timed function (q, k, v) -> output of one row."""
     if case.preset == FLA_REFERENCE:
         return _fla_linear_attention
-    spec = AttentionSpec.from_preset(case.preset, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+    overrides = {} if chunk_size is None else {"chunk_size": chunk_size}
+    spec = AttentionSpec.from_preset(case.preset, **overrides, **({} if case.kept is None else {"kept": case.kept}))
     params = _params(spec, device)
 
     def forward(q, k, v):
+        # a decaying state: a half-life of about 380 positions at every key
+        gates = {"decay": torch.full(k.shape[:3], -1.8e-3, device=k.device, dtype=k.dtype)} if spec.decay else {}
         with backends.fused_kernels(case.fused):
-            return attention(q, k, v, spec, mode=case.mode, params=params, return_state=case.return_state)[0]
+            out = attention(q, k, v, spec, mode=case.mode, params=params, gates=gates, return_state=case.return_state)
+            return out[0]
 
     return forward
 
