@@ -69,10 +69,10 @@ def _layer_overrides(
     layers: Iterable[int] | None, specs: Mapping[int, AttentionSpec | dict | str] | None, num_layers: int
 ) -> dict[str, AttentionSpec | dict | str] | None:
     """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names."""
-    converted = range(num_layers) if layers is None else _converted_layers(layers, num_layers)
-    unconverted = {str(i): "softmax" for i in range(num_layers) if i not in set(converted)}
+    converted = list(range(num_layers)) if layers is None else _converted_layers(layers, num_layers)
+    unconverted = {str(i): "softmax" for i in range(num_layers) if i not in converted}
     specs = dict(specs or {})
-    outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in set(converted)]
+    outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in converted]
     if outside:
         raise ValueError(
             f"convert(layer_attention=...) names layers {outside}; expected indices of converted layers "

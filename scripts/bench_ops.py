@@ -153,12 +153,12 @@ def _forward(case: Case, chunk_size: int | None, device: str):
     """The timed function (q, k, v) -> output of one row."""
     if case.preset == FLA_REFERENCE:
         return _fla_linear_attention
-    overrides = {} if chunk_size is None else {"chunk_size": chunk_size}
-    spec = AttentionSpec.from_preset(case.preset, **overrides, **({} if case.kept is None else {"kept": case.kept}))
+    overrides = {"chunk_size": chunk_size, "kept": case.kept}
+    spec = AttentionSpec.from_preset(case.preset, **{name: v for name, v in overrides.items() if v is not None})
     params = _params(spec, device)
 
     def forward(q, k, v):
-        # a decaying state: a half-life of about 380 positions at every key
+        # a decaying state: a half-life of about 385 positions at every key
         gates = {"decay": torch.full(k.shape[:3], -1.8e-3, device=k.device, dtype=k.dtype)} if spec.decay else {}
         with backends.fused_kernels(case.fused):
             out = attention(q, k, v, spec, mode=case.mode, params=params, gates=gates, return_state=case.return_state)

@@ -20,11 +20,11 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
   each key's entry step, from all rank scores at once.
 - `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
-  of C steps compares the N <= K + C candidates (the filled kept slots and its C leaving keys; an
+  of C steps compares the N <= K + C candidates (the kept slots in use and its C leaving keys; an
   N x N ranking, counted once for the slots and cumulatively over the leaving keys), so time and
-  memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots never
-  filled are left out of the candidates (a call that starts empty compares at most its own leaving
-  keys, not K), and put back as empty slots at the end. One step (decoding) takes a shorter path
+  memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots that
+  cannot hold a kept key yet are left out (a call that starts empty compares at most the keys that
+  have left its window so far, not K), and put back as empty slots at the end. One step (decoding) takes a shorter path
   with the same result (`_select_one`).
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
@@ -132,7 +132,8 @@ def select_kept(
             q, leaving_keys, leaving_values, leaving_scores, leaving_positions, candidate, buffers, scale
         )
     kept = buffers[0].shape[2]
-    keys, values, scores, positions, valid = (x[:, :, : _filled_slots(buffers[4])] for x in buffers)
+    slots_after = _slots_in_use(buffers[4], candidate, kept)
+    keys, values, scores, positions, valid = (x[:, :, : slots_after[0]] for x in buffers)
     kv_heads, length = q.shape[1], q.shape[3]
     entering_keys, entering_values, numerators, maxima = [], [], [], []
     for start in range(0, length, block):
@@ -159,8 +160,9 @@ def select_kept(
         numerator, row_max = masked_exp_part(q[..., steps, :], cand_keys, cand_values, is_kept[:, :, None], scale)
         numerators.append(numerator)
         maxima.append(row_max)
-        # the kept keys first; at most K of them, so the first min(N, K) slots hold them all
-        order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)[..., :kept]
+        # the kept keys first, so the slots in use after the block hold them all
+        order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)
+        order = order[..., : slots_after[steps.stop]]
         keys, values = (
             cand_keys.gather(2, order[..., None].expand(-1, -1, -1, cand_keys.shape[-1])),
             cand_values.gather(2, order[..., None].expand(-1, -1, -1, cand_values.shape[-1])),
@@ -185,11 +187,14 @@ def select_kept(
     )
 
 
-def _filled_slots(valid: torch.Tensor) -> int:
-    """The number of leading slots that hold every kept key of `valid` `[B, Hkv, K]` (one past the last
-    slot valid in any row): the slots after them are empty in every row."""
-    used = valid.flatten(0, 1).any(0).nonzero()
-    return int(used[-1]) + 1 if len(used) else 0
+def _slots_in_use(valid: torch.Tensor, candidate: torch.Tensor, kept: int) -> list[int]:
+    """How many leading slots can hold a kept key: before the call (one past the last slot of `valid`
+    `[B, Hkv, K]` valid in any row), then after each step r of the call (that, plus the most candidates
+    `[B, L]` any row has had up to r, at most K). One read back from the device."""
+    used = valid.flatten(0, 1).any(0)
+    filled = (used * torch.arange(1, kept + 1, device=valid.device)).amax()
+    arrived = candidate.long().cumsum(-1).amax(0)  # [L]
+    return torch.cat([filled[None], (filled + arrived).clamp_max(kept)]).tolist()
 
 
 def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, candidate, buffers, scale):
