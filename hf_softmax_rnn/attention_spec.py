@@ -47,6 +47,8 @@ NO_CACHE_MODES = ("parallel", "chunked")
 #: Largest recurrent state (numerator + denominator, one KV head, float32) accepted by
 #: default; a larger Taylor state raises with its size instead of exhausting memory.
 DEFAULT_MAX_STATE_BYTES = 256 * 2**20
+#: Bytes of a kept slot's position (int64) and of its filled flag (bool), whatever the state's dtype.
+_POSITION_BYTES, _FLAG_BYTES = 8, 1
 #: Largest Taylor order accepted: the quadratic form evaluates order + 1 terms per score, so a
 #: larger order is refused with this bound instead of a call that does not return.
 MAX_TAYLOR_ORDER = 1024
@@ -310,11 +312,14 @@ class AttentionSpec:
 
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
         """Bytes of the recurrent state of one KV head: S and z, plus the keys and values of the window, the
-        sinks and the kept positions (and one score per window and kept position)."""
+        sinks and the kept positions, and with kept positions one rank score per window and kept position
+        and, per kept slot, its position (int64) and whether it is filled (bool). Each sequence adds its
+        position counter (int64) and one flag (bool) per window position, shared by its KV heads."""
         value_dim = head_dim if value_dim is None else value_dim
         exact = ((self.window or 0) + (self.sinks or 0) + (self.kept or 0)) * (head_dim + value_dim + 1)
-        scores = (self.window or 0) + 2 * (self.kept or 0) + 1 if self.kept is not None else 0
-        return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element
+        scores = (self.window or 0) + self.kept + 1 if self.kept is not None else 0
+        kept_bookkeeping = (self.kept or 0) * (_POSITION_BYTES + _FLAG_BYTES)
+        return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element + kept_bookkeeping
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         """Raise a clear error if `mode` cannot compute this spec for this head size."""

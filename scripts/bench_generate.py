@@ -14,6 +14,12 @@ clock is read.
     python scripts/bench_generate.py --device cuda --dtype bfloat16 --compile   # static caches + CUDA graphs
     python scripts/bench_generate.py --device cuda --dtype bfloat16 --cuda-graph   # the same graphs, no compile
     python scripts/bench_generate.py --device cuda --random-weights --model CONFIG_DIR   # speed only, no checkpoint
+    python scripts/bench_generate.py --presets --converted out/hybrid   # a saved converted model, as trained
+
+`--converted` times saved converted models (folders written by `hf-softmax-rnn finetune` or
+`save_pretrained`) beside the presets, as they were saved: with the attention of each layer, which
+a preset cannot express when layers differ (the `finetune` default's retrieval layers). Each must
+be a conversion of `--model` (the same vocabulary); it is named by its path in the tables.
 
 `--compile` decodes every model (the plain one included) through transformers' `StaticCache`
 (a `StaticRecurrentStateLayer` per recurrent layer, updated in place), with the forward wrapped in
@@ -54,6 +60,7 @@ from hf_softmax_rnn.decoding import GraphedDecodeStep
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.cache import cache_nbytes
+from hf_softmax_rnn.models.configuration_softmax_rnn import SoftmaxRNNConfigMixin
 
 logger = logging.getLogger("bench_generate")
 
@@ -227,9 +234,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL_ALIAS, help="'default', a local dir or a Hub id")
     parser.add_argument(
         "--presets",
-        nargs="+",
+        nargs="*",
         default=None,
-        help=f"converted models, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
+        help=f"presets to convert --model to, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)}, "
+        "or none when --converted is given; '--presets' alone: none)",
+    )
+    parser.add_argument(
+        "--converted",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="saved converted models of --model (folders of finetune or save_pretrained), timed as saved",
     )
     parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
     parser.add_argument("--steps", type=int, default=8, help="decode steps per model per round")
@@ -278,6 +293,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     unknown = [name for name in args.presets or () if name not in PRESETS]
     if unknown:
         parser.error(f"--presets {' '.join(unknown)}: unknown; expected names from {', '.join(PRESETS)}")
+    missing = [path for path in args.converted if not (Path(path) / "config.json").is_file()]
+    if missing:
+        parser.error(f"--converted {' '.join(missing)}: not a saved model folder (no config.json)")
     if args.compile and args.cuda_graph:
         parser.error("--compile and --cuda-graph are two ways to decode; pass one of them")
     if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
@@ -287,18 +305,51 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         )
 
 
+def converted_configs(paths: list[str]) -> dict[str, SoftmaxRNNConfigMixin]:
+    """The config of each saved converted model; `UserInputError` for a folder that holds another model."""
+    configs = {}
+    for path in paths:
+        config = AutoConfig.from_pretrained(path)
+        if not isinstance(config, SoftmaxRNNConfigMixin):
+            raise UserInputError(
+                f"--converted {path}: model_type {config.model_type!r} is not a converted model; expected one of "
+                "'softmax_rnn_llama', 'softmax_rnn_gpt2'"
+            )
+        configs[path] = config
+    return configs
+
+
+def load_converted(path: str, config: SoftmaxRNNConfigMixin, vocab_size: int, random_weights: bool = False):
+    """The converted model saved at `path` (random weights from `config` with `random_weights`);
+    `UserInputError` when its vocabulary is not `vocab_size` (that of the model it is timed beside)."""
+    if config.vocab_size != vocab_size:
+        raise UserInputError(
+            f"--converted {path}: vocabulary of {config.vocab_size} tokens, --model has {vocab_size}; "
+            "expected a conversion of --model"
+        )
+    if random_weights:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def _exit_with(error: UserInputError) -> None:
+    print(f"bench_generate.py: error: {error}", file=sys.stderr)
+    raise SystemExit(2) from error
+
+
 def main() -> None:
     args = parse_args()
     try:  # what this machine has, apart from parse_args (which checks the documentation's GPU commands anywhere)
         resolve_device(args.device)
+        saved_configs = converted_configs(args.converted)
     except UserInputError as error:
-        print(f"bench_generate.py: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
+        _exit_with(error)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.presets is None:
-        args.presets = list(DEFAULT_PRESETS)
+        args.presets = [] if args.converted else list(DEFAULT_PRESETS)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     compile_mode = None
     if args.compile:
@@ -316,9 +367,15 @@ def main() -> None:
         base_model, tokenizer = resolve_model(args.model)
         stream = token_stream(tokenizer, load_corpus(args.dataset)["train"]["text"])
         stream = torch.tensor(stream * -(-args.contexts[-1] // len(stream)))
+    models = {name: convert(base_model, name) for name in args.presets}
+    try:
+        for path, config in saved_configs.items():
+            models[path] = load_converted(path, config, base_model.config.vocab_size, args.random_weights)
+    except UserInputError as error:
+        _exit_with(error)
     decoders = [
-        Decoder(name, convert(base_model, name).eval().to(device=device, dtype=dtype), compile_mode, args.cuda_graph)
-        for name in args.presets
+        Decoder(name, model.eval().to(device=device, dtype=dtype), compile_mode, args.cuda_graph)
+        for name, model in models.items()
     ]
     baseline = base_model.eval().to(device=device, dtype=dtype)
     decoders.insert(0, Decoder(BASELINE, baseline, compile_mode, args.cuda_graph))

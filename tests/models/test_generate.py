@@ -183,8 +183,18 @@ def test_window_hybrids_generate_as_recomputation_past_the_window(family, name):
         assert torch.equal(cached.sequences[row, -6:], single.sequences[0, -6:])
 
 
-def test_window_state_is_constant_in_size(family):
-    model = tiny_model(family, SMALL_WINDOWS["hedgehog_window3"])
+STATE_SIZE_SPECS = {
+    "hedgehog_window3": SMALL_WINDOWS["hedgehog_window3"],
+    "hedgehog_window3_sinks1_kept2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=3, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_SIZE_SPECS))
+def test_window_state_is_constant_in_size_and_as_large_as_the_spec_says(family, name):
+    spec = STATE_SIZE_SPECS[name]
+    model = tiny_model(family, spec)
     ids, mask = left_padded_batch()
     sizes = {
         n: cache_nbytes(
@@ -194,9 +204,8 @@ def test_window_state_is_constant_in_size(family):
         )
         for n in (1, 8)
     }
-    spec = SMALL_WINDOWS["hedgehog_window3"]
     kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
-    state = spec.state_bytes(HEAD_DIM) * kv_heads + 3  # + window validity flags (bool)
+    state = spec.state_bytes(HEAD_DIM) * kv_heads + spec.window  # + window validity flags (bool)
     assert sizes[1] == sizes[8] == 2 * ids.shape[0] * (state + 8)  # 2 layers; + int64 t per row
 
 

@@ -49,6 +49,17 @@ def test_static_cache_generation_matches_dynamic_cache_and_recomputation(family,
     assert_same_generation(static, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
 
 
+def test_static_cache_with_a_larger_kept_budget_in_one_layer(family):
+    """The `finetune` default's shape: one retrieval layer keeps more positions than the others."""
+    spec = SPECS["hedgehog_window2_sinks1_kept2_decay"]
+    model = tiny_model(family, spec, layer_attention={1: dict(spec.to_dict(), kept=5)})
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert [layer.state.kept_keys.shape[2] for layer in static.cache.layers] == [2, 5]
+    assert_same_generation(static, model.generate(ids, attention_mask=mask, **GREEDY))
+    assert_same_generation(static, model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY))
+
+
 @pytest.mark.parametrize(
     "name",
     [

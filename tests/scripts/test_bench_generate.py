@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_softmax_rnn import AttentionSpec, convert
 
 from ..models.helpers import LLAMA_SHAPE
 
@@ -15,9 +18,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_generate.py"
 CONTEXTS = (8, 40)
 
 
+def _llama_config() -> LlamaConfig:
+    return LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=128)
+
+
 def _run(tmp_path, monkeypatch, capsys, *extra) -> tuple[dict, str]:
     config_dir = tmp_path / "config"
-    LlamaConfig(**LLAMA_SHAPE, max_position_embeddings=128).save_pretrained(config_dir)
+    _llama_config().save_pretrained(config_dir)
     output = tmp_path / "bench"
     argv = [str(SCRIPT), "--model", str(config_dir), "--random-weights", "--contexts", *map(str, CONTEXTS)]
     argv += ["--steps", "2", "--rounds", "2", "--warmup", "2", "--prefill-chunk", "16", "--output", str(output)]
@@ -31,6 +38,7 @@ def _run(tmp_path, monkeypatch, capsys, *extra) -> tuple[dict, str]:
 
 
 def _check(result: dict, printed: str, presets: list[str]) -> None:
+    """`presets`: the converted models' names (a preset, or the path of a saved model)."""
     cells = {(m["model"], m["context"]): m for m in result["measurements"]}
     assert set(cells) == {(name, c) for name in ["transformers", *presets] for c in CONTEXTS}
     assert all(m["latency_ms"] > 0 for m in cells.values())
@@ -55,6 +63,31 @@ def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
     assert "static cache + torch.compile(mode='default')" in printed
 
 
+def test_saved_models_are_timed_with_the_attention_of_each_layer(tmp_path, monkeypatch, capsys):
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=4, decay=True, chunk_size=8)
+    wider = AttentionSpec.coerce(dict(spec.to_dict(), kept=16))
+    saved = {"uniform": None, "retrieval_layer_1": {1: wider}}
+    for name, layer_attention in saved.items():
+        torch.manual_seed(0)
+        model = convert(AutoModelForCausalLM.from_config(_llama_config()), spec, layer_attention=layer_attention)
+        model.save_pretrained(tmp_path / name)
+    paths = [str(tmp_path / name) for name in saved]
+    result, printed = _run(tmp_path, monkeypatch, capsys, "--presets", "--converted", *paths)
+    _check(result, printed, paths)
+    state = {m["model"]: m["cache_bytes"] for m in result["measurements"] if m["context"] == CONTEXTS[0]}
+    # layer 1's 2 KV heads hold 16 kept positions instead of 4
+    assert state[paths[1]] - state[paths[0]] == 2 * (wider.state_bytes(head_dim=8) - spec.state_bytes(head_dim=8))
+
+
+def test_a_saved_model_that_is_not_converted_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    plain = tmp_path / "plain"
+    _llama_config().save_pretrained(plain)
+    with pytest.raises(SystemExit) as exit_info:
+        _run(tmp_path, monkeypatch, capsys, "--converted", str(plain))
+    assert exit_info.value.code == 2
+    assert f"--converted {plain}: model_type 'llama' is not a converted model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -66,6 +99,7 @@ def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
         (["--steps", "0"], "--steps=0 is not allowed"),
         (["--prefill-chunk", "0"], "--prefill-chunk=0 is not allowed"),
         (["--threads", "0"], "--threads=0 is not allowed"),
+        (["--converted", "no/such/folder"], "--converted no/such/folder: not a saved model folder (no config.json)"),
     ],
     ids=[
         "graph_on_cpu",
@@ -76,6 +110,7 @@ def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
         "steps_0",
         "prefill_chunk_0",
         "threads_0",
+        "converted_missing",
     ],
 )
 def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
