@@ -119,11 +119,22 @@ WIDE_WINDOW = 256
 
 #: Retrieval layers of a spec with kept positions, each with 2,048 kept positions (docs/long_context.md).
 KEPT_RETRIEVAL_LAYERS = 6
+#: Training blocks of the recipe: a spec with kept positions trains on 2,048-token blocks, so that the kept
+#: selection and the state see positions past 1,024 (docs/long_context.md); other specs on 1,024.
+BLOCK_SIZE, KEPT_BLOCK_SIZE = 1024, 2048
+#: Held-out blocks where the recipe sets the training blocks: every recipe's in-domain figure is measured
+#: on the same blocks.
+HELDOUT_BLOCK_SIZE = 1024
 
 
 def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
-    """Stage settings and retrieval layers for `spec` where the user gave none (see `RECIPE_SCHEDULES`)."""
-    retrieval = {"retrieval_layers": KEPT_RETRIEVAL_LAYERS if spec.kept is not None else 0}
+    """Stage settings, block size and retrieval layers for `spec` where the user gave none (see
+    `RECIPE_SCHEDULES`)."""
+    kept = spec.kept is not None
+    retrieval = {
+        "retrieval_layers": KEPT_RETRIEVAL_LAYERS if kept else 0,
+        "block_size": KEPT_BLOCK_SIZE if kept else BLOCK_SIZE,
+    }
     if spec.window is not None and spec.window >= WIDE_WINDOW:
         return RECIPE_SCHEDULES["wide_window"] | retrieval
     if spec.window is not None:
@@ -186,11 +197,18 @@ class FinetuneConfig:
     text_column: str = option("text", "column holding the text", group=_DATA)
     streaming: bool = option(False, "stream the dataset instead of loading it whole", group=_DATA)
     test_fraction: float = option(0.1, "held-out share when the data has no test split", group=_DATA)
-    block_size: int = option(
-        1024, "tokens per packed block, trained and scored (long blocks teach the state long range)", group=_DATA
+    block_size: int | None = option(
+        None,
+        f"tokens per packed training block (recipe: {KEPT_BLOCK_SIZE} for a spec with kept positions, else "
+        f"{BLOCK_SIZE}; long blocks teach the state long range)",
+        group=_DATA,
+        **_RECIPE,
     )
     eval_block_size: int | None = option(
-        None, "tokens per held-out block (default: --block-size), so runs trained on other lengths compare", group=_DATA
+        None,
+        f"tokens per held-out block (default: --block-size when given, else {HELDOUT_BLOCK_SIZE}), so runs trained "
+        "on other lengths compare",
+        group=_DATA,
     )
     batch_size: int = option(1, "blocks per process per micro-batch", group=_DATA)
     grad_accum: int = option(1, "micro-batches per optimizer step", group=_DATA)
@@ -296,9 +314,12 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)
         self.retrieval_layers_from_recipe = self.retrieval_layers is None
+        self.block_size_from_recipe = self.block_size is None
         for name, value in recipe_defaults(self.attention_spec).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.block_size_from_recipe and self.eval_block_size is None:
+            self.eval_block_size = min(self.block_size, HELDOUT_BLOCK_SIZE)
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
         _check_choice("finetune_loss", self.finetune_loss, FINETUNE_LOSSES)
         _check_choice("attention_mode", self.attention_mode, NO_CACHE_MODES)

@@ -276,3 +276,25 @@ def test_heldout_blocks_follow_eval_block_size(tiny_models, tmp_path):
     finetuner = Finetuner(tiny_config(tiny_models["llama"], tmp_path / "out", block_size=16, eval_block_size=32))
     assert finetuner.eval_ids.shape[1] == 32
     assert finetuner.train_data.next_blocks(1).shape[1] == 16
+
+
+def test_the_recipe_trains_kept_specs_on_2048_token_blocks_held_out_on_1024(tmp_path):
+    from hf_softmax_rnn.training.config import HELDOUT_BLOCK_SIZE, KEPT_BLOCK_SIZE
+
+    def blocks(**settings) -> tuple[int, int]:
+        config = FinetuneConfig(output_dir=str(tmp_path), **settings)
+        return config.block_size, config.heldout_block_size
+
+    assert blocks() == (KEPT_BLOCK_SIZE, HELDOUT_BLOCK_SIZE) == (2048, 1024)  # the default spec keeps positions
+    assert blocks(attention="hedgehog_window_64") == (1024, 1024)
+    assert blocks(block_size=512) == (512, 512)  # blocks the user gives are held out at their own length
+    assert blocks(block_size=4096, eval_block_size=2048) == (4096, 2048)
+
+
+def test_recipe_blocks_longer_than_the_model_are_cut_to_its_positions(tiny_models, tmp_path, caplog):
+    attention = dict(kind="linear", feature_map="elu", window=4, kept=2, chunk_size=4)
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, block_size=None)
+    with caplog.at_level("INFO"):
+        Finetuner(config)
+    assert (config.block_size, config.heldout_block_size) == (MAX_POSITIONS, MAX_POSITIONS)
+    assert f"The recipe's block_size=2048 is cut to the model's {MAX_POSITIONS} positions" in caplog.text
