@@ -51,7 +51,7 @@ logger = logging.getLogger("bench_recovery")
 #: Rows: name -> attention preset (None: the model as it is), or (preset, settings that differ from the
 #: command line's). "window_only" is the floor any hybrid must beat: exact softmax over the last 64
 #: positions and nothing beyond. The last row is the measured recipe for long contexts (finetune's default):
-#: a 256-position window, 4 sinks, 256 kept positions and a decaying state, 40 distillation steps of 1,024
+#: a 256-position window, 4 sinks, 256 kept positions and a decaying state, 20 distillation steps of 2,048
 #: tokens (docs/long_context.md).
 ROWS: dict[str, str | None | tuple[str, dict]] = {
     "base": None,
@@ -67,7 +67,7 @@ ROWS: dict[str, str | None | tuple[str, dict]] = {
     "hedgehog_window_64_sinks_4_decay": "hedgehog_window_64_sinks_4_decay",
     "hedgehog_window_256_sinks_4_decay": "hedgehog_window_256_sinks_4_decay",
     "hedgehog_window_256_sinks_4_kept_256_decay": "hedgehog_window_256_sinks_4_kept_256_decay",
-    "long_recipe": ("hedgehog_window_256_sinks_4_kept_256_decay", dict(block_size=1024, finetune_steps=40)),
+    "long_recipe": ("hedgehog_window_256_sinks_4_kept_256_decay", dict(block_size=2048, finetune_steps=20)),
 }
 POINTS = ("converted", "transfer", "finetune")
 POINT_LABELS = {"converted": "after conversion", "transfer": "after transfer", "finetune": "after LoRA"}

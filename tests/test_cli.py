@@ -106,7 +106,7 @@ def test_every_flag_has_the_help_of_its_dataclass_field():
 def test_flags_keep_their_names_and_defaults():
     parser, _ = cli.subcommand_parser("finetune")
     args = parser.parse_args(["--output-dir", "out", "--no-transfer-teacher-forcing", "--no-progress"])
-    assert (args.transfer_teacher_forcing, args.progress, args.lr, args.block_size) == (False, False, None, 1024)
+    assert (args.transfer_teacher_forcing, args.progress, args.lr, args.block_size) == (False, False, None, None)
     assert parser.parse_args(["--output-dir", "o", "--layers", "0", "2"]).layers == [0, 2]
     parser, _ = cli.subcommand_parser("mqar")
     args = parser.parse_args([])
@@ -125,7 +125,7 @@ def test_help_shows_defaults(capsys):
         cli.main(["finetune", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "teach the state long range) (default: 1024)" in text
+    assert "teach the state long range) (default: the attention's recipe)" in text
     assert "optimizer steps (0 skips the stage) (default: the attention's recipe)" in text
     parser, _ = cli.subcommand_parser("ablate")
     assert "model width (default: 64; --quick: 32)" in " ".join(parser.format_help().split())

@@ -47,13 +47,18 @@ def test_finetune_defaults_to_the_recipe_that_recovers(tmp_path):
     config = FinetuneConfig(output_dir=str(tmp_path / "out"))
     assert config.attention_spec == AttentionSpec.from_preset("hedgehog_window_256_sinks_4_kept_256_decay")
     assert config.finetune_loss == "distill" and config.transfer_steps == 0  # the window recipe
-    assert config.finetune_steps == 40  # a window of 256: the wide-window schedule
+    assert (config.finetune_steps, config.block_size) == (20, 2048)  # window 256 with kept positions
 
 
 @pytest.mark.parametrize(
     ("attention", "steps"),
-    [("hedgehog_window_64", 300), ("hedgehog_window_256_sinks_4_decay", 40), ("linear_hedgehog", 300)],
-    ids=["window-64", "window-256", "learned-map"],
+    [
+        ("hedgehog_window_64", 300),
+        ("hedgehog_window_256_sinks_4_decay", 40),
+        ("hedgehog_window_256_sinks_4_kept_256_decay", 20),
+        ("linear_hedgehog", 300),
+    ],
+    ids=["window-64", "window-256", "window-256-kept", "learned-map"],
 )
 def test_recipe_steps_follow_the_window_width_unless_given(tmp_path, attention, steps):
     assert FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention).finetune_steps == steps

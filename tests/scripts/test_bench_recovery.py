@@ -161,6 +161,6 @@ def test_row_settings_override_the_command_line_but_not_the_heldout_blocks(tmp_p
         assert config.finetune_steps == row_settings.get("finetune_steps", 40)
     preset, row_settings = script.row_recipe("long_recipe")
     long_recipe = script._settings(args, preset, str(tmp_path / "x"), row_settings)
-    assert (long_recipe.block_size, long_recipe.finetune_steps) == (1024, 40)
+    assert (long_recipe.block_size, long_recipe.finetune_steps) == (2048, 20)
     assert long_recipe.attention_spec.window == 256 and long_recipe.attention_spec.decay
     assert long_recipe.attention_spec.kept == 256

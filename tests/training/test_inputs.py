@@ -279,14 +279,15 @@ def test_heldout_blocks_follow_eval_block_size(tiny_models, tmp_path):
 
 
 def test_the_recipe_trains_kept_specs_on_2048_token_blocks_held_out_on_1024(tmp_path):
-    from hf_softmax_rnn.training.config import HELDOUT_BLOCK_SIZE, KEPT_BLOCK_SIZE
+    from hf_softmax_rnn.training.config import HELDOUT_BLOCK_SIZE
 
     def blocks(**settings) -> tuple[int, int]:
         config = FinetuneConfig(output_dir=str(tmp_path), **settings)
         return config.block_size, config.heldout_block_size
 
-    assert blocks() == (KEPT_BLOCK_SIZE, HELDOUT_BLOCK_SIZE) == (2048, 1024)  # the default spec keeps positions
-    assert blocks(attention="hedgehog_window_64") == (1024, 1024)
+    assert blocks() == (2048, HELDOUT_BLOCK_SIZE) == (2048, 1024)  # the default spec keeps positions
+    assert blocks(attention="hedgehog_window_256_sinks_4_decay") == (1024, 1024)
+    assert blocks(attention=dict(kind="linear", feature_map="hedgehog", window=64, kept=64)) == (1024, 1024)
     assert blocks(block_size=512) == (512, 512)  # blocks the user gives are held out at their own length
     assert blocks(block_size=4096, eval_block_size=2048) == (4096, 2048)
 
@@ -297,4 +298,4 @@ def test_recipe_blocks_longer_than_the_model_are_cut_to_its_positions(tiny_model
     with caplog.at_level("INFO"):
         Finetuner(config)
     assert (config.block_size, config.heldout_block_size) == (MAX_POSITIONS, MAX_POSITIONS)
-    assert f"The recipe's block_size=2048 is cut to the model's {MAX_POSITIONS} positions" in caplog.text
+    assert f"The recipe's block_size=1024 is cut to the model's {MAX_POSITIONS} positions" in caplog.text
