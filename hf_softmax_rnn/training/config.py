@@ -118,6 +118,7 @@ DEFAULT_SCHEDULE = dict(
 #: (docs/long_context.md; 40 such steps did no better).
 _DISTILL = dict(transfer_steps=0, transfer_lr=1e-2, lr=1e-3, finetune_loss="distill")
 RECIPE_SCHEDULES = {
+    "default": DEFAULT_SCHEDULE,
     "kept_wide_window": _DISTILL | dict(finetune_steps=20, block_size=2048),
     "wide_window": _DISTILL | dict(finetune_steps=40, block_size=BLOCK_SIZE),
     "window": _DISTILL | dict(finetune_steps=300, block_size=BLOCK_SIZE),
@@ -130,7 +131,7 @@ KEPT_RETRIEVAL_LAYERS = 6
 
 
 def recipe_schedule(spec: AttentionSpec) -> str:
-    """The name of the `RECIPE_SCHEDULES` entry for `spec`, or "default" for `DEFAULT_SCHEDULE`."""
+    """The name of the `RECIPE_SCHEDULES` entry for `spec`."""
     if spec.window is not None and spec.window >= WIDE_WINDOW:
         return "kept_wide_window" if spec.kept is not None else "wide_window"
     if spec.window is not None:
@@ -143,7 +144,7 @@ def recipe_schedule(spec: AttentionSpec) -> str:
 def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
     """Stage settings, training block size and retrieval layers for `spec` where the user gave none."""
     retrieval = {"retrieval_layers": KEPT_RETRIEVAL_LAYERS if spec.kept is not None else 0}
-    return RECIPE_SCHEDULES.get(recipe_schedule(spec), DEFAULT_SCHEDULE) | retrieval
+    return RECIPE_SCHEDULES[recipe_schedule(spec)] | retrieval
 
 
 # Sections of `hf-softmax-rnn finetune --help`.
@@ -201,8 +202,9 @@ class FinetuneConfig:
     test_fraction: float = option(0.1, "held-out share when the data has no test split", group=_DATA)
     block_size: int | None = option(
         None,
-        "tokens per packed training block (recipe: 2048 for a spec with kept positions and a window of "
-        f"{WIDE_WINDOW} or more, else {BLOCK_SIZE}; long blocks teach the state long range)",
+        f"tokens per packed training block (recipe: {RECIPE_SCHEDULES['kept_wide_window']['block_size']} for a spec "
+        f"with kept positions and a window of {WIDE_WINDOW} or more, else {BLOCK_SIZE}; long blocks teach the state "
+        "long range)",
         group=_DATA,
         **_RECIPE,
     )
