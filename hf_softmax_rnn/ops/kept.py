@@ -24,8 +24,8 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
   N x N ranking, counted once for the slots and cumulatively over the leaving keys), so time and
   memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots that
   cannot hold a kept key yet are left out (a call that starts empty compares at most the keys that
-  have left its window so far, not K), and put back as empty slots at the end. One step (decoding) takes a shorter path
-  with the same result (`_select_one`).
+  have left its window so far, not K), and put back as empty slots at the end. One step (decoding)
+  takes a shorter path with the same result (`_select_one`).
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
 `[B, Hkv, L, Dv + 1]`, saliencies `[B, Hkv, L]`.

@@ -318,11 +318,14 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)
         self.retrieval_layers_from_recipe = self.retrieval_layers is None
-        self.block_size_from_recipe = self.block_size is None
+        # the block sizes the recipe chooses (the user gave neither): cut to the model's positions if longer
+        self.blocks_from_recipe = ("block_size",) if self.block_size is None else ()
+        if self.blocks_from_recipe and self.eval_block_size is None:
+            self.blocks_from_recipe += ("eval_block_size",)
         for name, value in recipe_defaults(self.attention_spec).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.block_size_from_recipe and self.eval_block_size is None:
+        if "eval_block_size" in self.blocks_from_recipe:
             self.eval_block_size = min(self.block_size, HELDOUT_BLOCK_SIZE)
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
         _check_choice("finetune_loss", self.finetune_loss, FINETUNE_LOSSES)

@@ -269,8 +269,8 @@ class Finetuner:
     def _check_block_size(self, model: PreTrainedModel) -> None:
         """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them."""
         maximum = getattr(model.config, "max_position_embeddings", None)
-        if maximum is not None and self.config.block_size_from_recipe:
-            for name in ("block_size", "eval_block_size"):
+        if maximum is not None:
+            for name in self.config.blocks_from_recipe:
                 if getattr(self.config, name) > maximum:
                     logger.info(
                         "The recipe's %s=%d is cut to the model's %d positions",

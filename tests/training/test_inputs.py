@@ -299,3 +299,15 @@ def test_recipe_blocks_longer_than_the_model_are_cut_to_its_positions(tiny_model
         Finetuner(config)
     assert (config.block_size, config.heldout_block_size) == (MAX_POSITIONS, MAX_POSITIONS)
     assert f"The recipe's block_size=1024 is cut to the model's {MAX_POSITIONS} positions" in caplog.text
+
+
+def test_a_heldout_block_the_user_gives_is_never_cut_even_when_the_recipe_sets_the_training_blocks(
+    tiny_models, tmp_path
+):
+    attention = dict(kind="linear", feature_map="elu", window=4, kept=2, chunk_size=4)
+    config = tiny_config(
+        tiny_models["llama"], tmp_path / "out", attention=attention, block_size=None, eval_block_size=MAX_POSITIONS + 1
+    )
+    with pytest.raises(UserInputError, match=rf"eval_block_size={MAX_POSITIONS + 1} is larger than the model's"):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
