@@ -3,8 +3,8 @@
 A subcommand module defines `add_arguments(parser)` (its flags, built from the fields of
 its settings dataclasses, which hold each flag's help: `commands/arguments.py`) and
 `run(args) -> str | None`, which returns its report (printed here, exit status 0); it is
-imported only when its subcommand runs, so `--help` stays fast. Output folders are checked
-(`check_output_folders`) before a subcommand starts. Bad input (`UserInputError`,
+imported only when its subcommand runs, so `--help` stays fast. The environment settings and
+output folders are checked (`check_environment`, `check_output_folders`) before a subcommand starts. Bad input (`UserInputError`,
 or an `OSError` such as a missing file) ends with exit status 2 and a one-line message, a
 `CommandError` with its own status; other exceptions are bugs and propagate with their traceback.
 """
@@ -17,7 +17,7 @@ import logging
 import sys
 from types import ModuleType
 
-from hf_softmax_rnn.commands.arguments import DefaultsFormatter, check_output_folders
+from hf_softmax_rnn.commands.arguments import DefaultsFormatter, check_environment, check_output_folders
 from hf_softmax_rnn.errors import CommandError, UserInputError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sub.parse_args(argv[argv.index(known.command) + 1 :])
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_environment()
         check_output_folders(args)
         report = module.run(args)
     except REPORTED_ERRORS as error:

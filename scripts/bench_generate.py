@@ -32,7 +32,7 @@ eager step's kernels). Without either, every model decodes eagerly from a `Dynam
 token ids: the cost per token does not depend on the weights, so a GPU machine needs only a
 config.json.
 
-Targets (issues 3 and 11): a recurrent variant's latency at the longest context within 1.2x of its
+Targets: a recurrent variant's latency at the longest context within 1.2x of its
 latency at the shortest, and its latency within 1.05x of transformers' at the shortest.
 SmolLM2 was trained on 8192 positions; beyond that the text is meaningless but the cost per
 token is what is measured.

@@ -224,7 +224,7 @@ def _format_cell(result: dict | None, key: str) -> str:
     return f"{result['seconds'] * 1000:.3g}" if key == "seconds" else f"{result['peak_bytes'] / 2**20:.0f}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--chunk-size", type=int, default=None, help="override the presets' chunk size")
@@ -245,13 +245,18 @@ def main() -> None:
         help="keep only the rows of these presets (default: every row)",
     )
     parser.add_argument("--output", type=Path, default=Path("docs/figures/bench_ops"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch={args.batch} is not allowed; expected an int >= 1")
     try:
         resolve_device(args.device)
     except UserInputError as error:
         parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     SHAPE["batch"] = args.batch  # read by the forked children too
     from tqdm import tqdm
 
@@ -311,7 +316,7 @@ def main() -> None:
     _plot(results, cases, args.lengths, args.output.with_suffix(".png"), f"{_device_name(args.device)}, {args.dtype}")
 
 
-#: The window hybrid's fwd+bwd time in training form / fla's chunked linear attention alone (issue 22).
+#: Target: the window hybrid's fwd+bwd time in training form / fla's chunked linear attention alone.
 WINDOW_HYBRID_TARGET = 1.5
 WINDOW_HYBRID_ROW = "hedgehog + window 64, no state (FlexAttention)"
 

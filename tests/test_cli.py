@@ -170,3 +170,15 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"hf-softmax-rnn {command}: error: {OUTPUT_FLAGS[command]}={target}" in error
     assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("command", sorted(OUTPUT_FLAGS))
+def test_a_bad_environment_setting_is_refused_before_any_work(monkeypatch, tmp_path, capsys, command):
+    _, module = cli.subcommand_parser(command)
+    monkeypatch.setattr(module, "run", lambda args: pytest.fail("the command started with a bad setting"))
+    monkeypatch.setenv("HF_SOFTMAX_RNN_STATE_SEGMENT", "2k")
+    assert cli.main([command, OUTPUT_FLAGS[command], str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert f"hf-softmax-rnn {command}: error: HF_SOFTMAX_RNN_STATE_SEGMENT='2k' is not allowed; expected 0" in error
+    assert not (tmp_path / "out").exists()

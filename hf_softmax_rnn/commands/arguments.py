@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.errors import UserInputError, user_input_checks
 
 #: The default of a field that `--help` shows in place of its value (e.g. "the attention's recipe").
 SHOWN_DEFAULT = "shown_default"
@@ -108,6 +108,14 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 #: Flags that name a folder a command writes into (created if missing, files in it replaced).
 OUTPUT_FOLDER_FLAGS = ("output", "output_dir")
+
+
+def check_environment() -> None:
+    """Before any work: the package's environment settings hold allowed values."""
+    from hf_softmax_rnn.ops import backends
+
+    with user_input_checks():
+        backends.state_segment_length()
 
 
 def check_output_folders(args: argparse.Namespace) -> None:

@@ -8,7 +8,9 @@ gradients, tested against the float64 references):
   `FLA_MAX_FEATURES` features (elu, relu, identity, cosine, hedgehog, Taylor-1) and for the part
   of the sliding-window hybrids older than the window, with a data-dependent decay as fla's gate
   `g` where the spec has one. It carries the recurrent state, so it serves training, scoring and
-  prefill alike.
+  prefill alike. fla's state pass walks the chunks of a row one after another, so rows longer
+  than `state_segment_length()` tokens (default 2,048) are cut into segments that fla runs side
+  by side, whose states are then chained (`ops.fla_linear.chunk_in_segments`).
 - `"taylor2"`: the Triton kernel of `ops.triton_taylor` for Taylor order 2 without a window or
   a decay, when the caller needs no recurrent state (training and scoring without a cache).
 - `"flex"`: the exact part of a sliding-window hybrid (window and sinks) through PyTorch's
@@ -17,7 +19,8 @@ gradients, tested against the float64 references):
   window still runs in fla.
 
 Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
-or `fused_kernels(False)` turns the fused kernels off (for comparisons). Where a fused kernel would
+or `fused_kernels(False)` turns the fused kernels off (for comparisons);
+`HF_SOFTMAX_RNN_STATE_SEGMENT=0` or `state_segments(0)` keeps rows whole in fla. Where a fused kernel would
 apply but its package is not installed, the first such call logs a WARNING naming the package (the
 PyTorch forms are tens of times slower on a GPU), once per package.
 """
@@ -33,6 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.fla_linear import chunk_in_segments
 
 #: The widest feature map sent to fla (checked on a GPU at 64 and 128 features: elu, hedgehog);
 #: wider maps, Taylor-2 at D = 64 among them, run the PyTorch forms.
@@ -43,11 +47,16 @@ ENV_VARIABLE = "HF_SOFTMAX_RNN_FUSED_KERNELS"
 #: `HF_SOFTMAX_RNN_FLEX=0` keeps the window part of hybrids out of FlexAttention:
 #: each new sequence length compiles FlexAttention again, which short jobs may not want to pay.
 FLEX_ENV_VARIABLE = "HF_SOFTMAX_RNN_FLEX"
+#: `HF_SOFTMAX_RNN_STATE_SEGMENT=N` cuts rows longer than N tokens into segments of at most N for
+#: fla's state pass (0: rows stay whole).
+SEGMENT_ENV_VARIABLE = "HF_SOFTMAX_RNN_STATE_SEGMENT"
+DEFAULT_STATE_SEGMENT = 2048
 INSTALL_HINT = "pip install 'hf-softmax-rnn[gpu]'"
 logger = logging.getLogger(__name__)
 #: The device types the fused kernels run on (tests add "cpu" to run Triton's interpreter).
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 _override: list[bool] = []
+_segment_override: list[int] = []
 
 
 @contextmanager
@@ -64,6 +73,37 @@ def fused_kernels_enabled() -> bool:
     if _override:
         return _override[-1]
     return os.environ.get(ENV_VARIABLE, "1") != "0"
+
+
+@contextmanager
+def state_segments(length: int) -> Iterator[None]:
+    """Inside the block, fla's rows are cut into segments of at most `length` tokens (0: rows stay whole)."""
+    _segment_override.append(_checked_segment(length, f"state_segments({length!r})"))
+    try:
+        yield
+    finally:
+        _segment_override.pop()
+
+
+def state_segment_length() -> int:
+    """The longest row fla's state pass walks in one piece (0: no limit); `state_segments` or
+    `HF_SOFTMAX_RNN_STATE_SEGMENT`, else 2,048."""
+    if _segment_override:
+        return _segment_override[-1]
+    value = os.environ.get(SEGMENT_ENV_VARIABLE)
+    if value is None:
+        return DEFAULT_STATE_SEGMENT
+    try:
+        length = int(value)
+    except ValueError:
+        length = -1
+    return _checked_segment(length, f"{SEGMENT_ENV_VARIABLE}={value!r}")
+
+
+def _checked_segment(length: int, name: str) -> int:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"{name} is not allowed; expected 0 (rows stay whole) or a number of tokens >= 1")
+    return length
 
 
 @functools.cache
@@ -99,7 +139,11 @@ def fla_linear_function(device_type: str, dtype: torch.dtype, feature_dim: int, 
     function = fla_chunk_function()
     if function is None:
         _warn_missing("fla-core", "chunked linear attention (feature maps, window hybrids)")
-    return function
+        return None
+    segment_length = state_segment_length()
+    if segment_length == 0:
+        return function
+    return functools.partial(chunk_in_segments, function, segment_length=segment_length)
 
 
 def polynomial_backend(

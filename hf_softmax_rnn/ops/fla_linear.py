@@ -15,10 +15,16 @@ G query heads of a group; the G copies of the final state are equal and one is k
 in half precision wants even feature and value widths: an odd one gets a zero column, which adds
 nothing to any sum, and is cut off again. With a decay (`ops.decay`) the log-decays go to fla as
 its gate `g`, and the weight column travels with the values, so that z decays with S.
+
+fla's state pass walks the chunks of a row one after another, one program per (row, head, state
+tile): a few long rows leave most of a GPU idle. `chunk_in_segments` cuts long rows into segments
+that fla runs side by side from an empty state, then chains the segments' states and adds each
+segment's start state to its outputs (`ops.backends` applies it to rows over 2,048 tokens).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -92,6 +98,75 @@ def _fla_decayed(q, k, v, state, kernel, io_dtype, chunk_function, log_decay):
     return numerator, final_state
 
 
+#: fla's chunk length: segments are a multiple of it where the segment length allows.
+FLA_CHUNK_SIZE = 64
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_in_segments(
+    chunk_function: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    segment_length: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunk_function` (fla's `chunk_simple_gla` contract: time-major q, k `[B, L, H, F]`, v
+    `[B, L, H, V]`, log-decay g `[B, L, H]`, state `[B, H, F, V]`) with rows longer than
+    `segment_length` cut into S segments of equal length (zero-padded at the end), run as B x S
+    rows from an empty state. Segment s starts from h_s, chained as h_{s+1} = e^{g_s} h_s + u_s
+    (u_s its own final state, g_s its summed log-decay, h_0 the initial state), and adds
+    scale e^{G_t} q_t h_s to its outputs (G_t its log-decay summed up to t): the same outputs and
+    final state as one pass, in float32 (or the state's wider dtype)."""
+    batch, length, heads, _ = q.shape
+    if length <= segment_length:
+        return chunk_function(
+            q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+        )
+    segments = _ceil_div(length, segment_length)
+    multiple = math.gcd(segment_length, FLA_CHUNK_SIZE)
+    size = _ceil_div(_ceil_div(length, segments), multiple) * multiple  # at most segment_length
+    padded = segments * size
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, L, ...] -> [B * S, size, ...]
+        if padded > length:
+            x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, padded - length])
+        return x.reshape(batch * segments, size, *x.shape[2:])
+
+    out, local = chunk_function(
+        rows(q), rows(k), rows(v), g=None if g is None else rows(g), scale=scale, initial_state=None,
+        output_final_state=True,
+    )  # fmt: skip
+    dtype = torch.promote_types(local.dtype, torch.float32)
+    if initial_state is not None:
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+    local = local.to(dtype).view(batch, segments, heads, *local.shape[-2:])
+    state = torch.zeros_like(local[:, 0]) if initial_state is None else initial_state.to(dtype)
+    queries = rows(q).to(dtype).view(batch, segments, size, heads, -1)
+    if g is None:
+        ends = state[:, None] + local.cumsum(1)  # [B, S, H, F, V]: the state after each segment
+        starts = torch.cat([state[:, None], ends[:, :-1]], dim=1)
+        state = ends[:, -1]
+    else:
+        within = rows(g).to(dtype).view(batch, segments, size, heads).cumsum(2)
+        queries = queries * within.exp()[..., None]
+        segment_decay = within[:, :, -1].exp()[..., None, None]  # [B, S, H, 1, 1]
+        starts = []
+        for segment in range(segments):
+            starts.append(state)
+            state = state * segment_decay[:, segment] + local[:, segment]
+        starts = torch.stack(starts, dim=1)
+    from_start = torch.einsum("bsthf,bshfv->bsthv", queries, starts) * scale
+    out = out.to(dtype).view(batch, segments, size, heads, -1) + from_start
+    return out.reshape(batch, padded, heads, -1)[:, :length], state if output_final_state else None
+
+
 def chunk_simple_gla_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,8 +178,11 @@ def chunk_simple_gla_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's `chunk_simple_gla` in float64 PyTorch (tests; time-major `[B, L, H, *]`, g `[B, L, H]`):
     o_t = scale (sum_{s<=t} e^{G_t - G_s} (q_t.k_s) v_s + e^{G_t} q_t h0),
-    final = e^{G_L} h0 + sum_s e^{G_L - G_s} k_s v_s^T, with G the cumulative sum of g (0 without g)."""
+    final = e^{G_L} h0 + sum_s e^{G_L - G_s} k_s v_s^T, with G the cumulative sum of g (0 without g)
+    and h0 zeros where `initial_state` is None."""
     dtype = q.dtype
+    if initial_state is None:
+        initial_state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     q, k, v, h0 = q.double(), k.double(), v.double(), initial_state.double()
     cumulative = torch.zeros(q.shape[:3], dtype=torch.float64) if g is None else g.double().cumsum(1)
     cumulative = cumulative.transpose(1, 2)  # [B, H, L]

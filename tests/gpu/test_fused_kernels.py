@@ -91,11 +91,14 @@ def fla_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("segment", [0, 64], ids=["whole_rows", "segments_of_64"])
 @pytest.mark.parametrize("pad", [0, 37], ids=["no_padding", "left_padding"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", LINEAR)
-def test_fla_path_matches_float64_reference(name, dtype, pad, fla_calls):
-    _compare(quiet_preset(name), dtype, pad, "chunked", split=130)
+def test_fla_path_matches_float64_reference(name, dtype, pad, segment, fla_calls):
+    """With segments of 64, the calls of 130 and 70 positions run as 3 and 2 rows per sequence."""
+    with backends.state_segments(segment):
+        _compare(quiet_preset(name), dtype, pad, "chunked", split=130)
     assert fla_calls and set(fla_calls) == {dtype}
 
 

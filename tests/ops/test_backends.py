@@ -9,6 +9,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import backends
+from hf_softmax_rnn.ops.fla_linear import chunk_in_segments
 
 TAYLOR2 = AttentionSpec(kind="recurrent_softmax", taylor_order=2)
 
@@ -18,8 +19,10 @@ FLA = object()
 
 @pytest.fixture
 def installed(monkeypatch):
+    """Both packages "installed"; fla's rows whole (fla_linear_function then returns fla's function)."""
     monkeypatch.setattr(backends, "triton_available", lambda: True)
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: FLA)
+    monkeypatch.setenv(backends.SEGMENT_ENV_VARIABLE, "0")
 
 
 @pytest.mark.parametrize(
@@ -59,6 +62,17 @@ def test_polynomial_backend(spec, mode, needs_state, head_dim, expected, install
 def test_float64_runs_the_pytorch_forms(installed):
     assert backends.fla_linear_function("cuda", torch.float64, 64, None) is None
     assert backends.polynomial_backend("cuda", torch.float64, TAYLOR2, "parallel", False, 64, 64) is None
+
+
+def test_fla_gets_long_rows_in_segments_unless_told_to_keep_them_whole(installed, monkeypatch):
+    monkeypatch.delenv(backends.SEGMENT_ENV_VARIABLE)
+    function = backends.fla_linear_function("cuda", torch.bfloat16, 64, None)
+    assert function.func is chunk_in_segments and function.args == (FLA,)
+    assert function.keywords == {"segment_length": 2048}
+    with backends.state_segments(512):
+        assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None).keywords == {"segment_length": 512}
+    with backends.state_segments(0):
+        assert backends.fla_linear_function("cuda", torch.bfloat16, 64, None) is FLA
 
 
 def test_switches_turn_fused_kernels_off(installed, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_softmax_rnn.ops import RecurrentState, attention, backends
-from hf_softmax_rnn.ops.fla_linear import chunk_simple_gla_reference
+from hf_softmax_rnn.ops.fla_linear import chunk_in_segments, chunk_simple_gla_reference
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
 
@@ -37,8 +37,10 @@ def reference_fla(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("segment", [0, 3], ids=["whole_rows", "segments_of_3"])
 @pytest.mark.parametrize("name", FLA_SPECS)
-def test_chunked_attention_through_fla_matches_pytorch(name, reference_fla):
+def test_chunked_attention_through_fla_matches_pytorch(name, segment, reference_fla, monkeypatch):
+    monkeypatch.setenv(backends.SEGMENT_ENV_VARIABLE, str(segment))
     spec = FINITE_SPECS[name]
     q, k, v, gate_logits = make_inputs(length=13, requires_grad=True)
     params = make_params(spec, requires_grad=True)
@@ -64,6 +66,8 @@ def test_chunked_attention_through_fla_matches_pytorch(name, reference_fla):
 
     fused_out, fused_state, fused_grads = run(True)
     assert len(reference_fla) == 2, "the fla path did not run"
+    if segment:  # calls of 7 and 6 positions: 3 and 2 rows of 3 per sequence
+        assert [shape[:2] for shape, _ in reference_fla] == [(6, 3), (4, 3)]
     torch_out, torch_state, torch_grads = run(False)
     assert len(reference_fla) == 2, "fused_kernels(False) still ran the fla path"
     torch.testing.assert_close(fused_out, torch_out, **TOL)
@@ -96,3 +100,80 @@ def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
         torch.testing.assert_close(fused, plain, **TOL)
         for got, want in zip(fused_state.tensors(), plain_state.tensors()):
             torch.testing.assert_close(got, want, **TOL)
+
+
+#: segment length -> (segments, their length): equal segments, a multiple of gcd(length, 64), padded.
+SEGMENTS = {1: (13, 1), 4: (4, 4), 5: (3, 5), 12: (2, 8), 13: (1, 13)}
+
+
+@pytest.mark.parametrize("segment_length", list(SEGMENTS), ids=lambda n: f"segment_{n}")
+@pytest.mark.parametrize("initial", [False, True], ids=["empty_state", "initial_state"])
+@pytest.mark.parametrize("decay", [False, True], ids=["no_decay", "decay"])
+def test_segments_give_the_outputs_final_state_and_gradients_of_one_pass(decay, initial, segment_length):
+    """Rows of 13 cut into segments (padded where 13 does not divide), their states chained."""
+    generator = torch.Generator().manual_seed(0)
+    batch, length, heads, features, width = 2, 13, 3, 4, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    q, k = randn(batch, length, heads, features), randn(batch, length, heads, features)
+    v = randn(batch, length, heads, width)
+    g = -torch.rand(batch, length, heads, generator=generator, dtype=torch.float64) if decay else None
+    g = None if g is None else g.requires_grad_()
+    h0 = randn(batch, heads, features, width) if initial else None
+    leaves = [x for x in (q, k, v, g, h0) if x is not None]
+    out_weights = randn(batch, length, heads, width).detach()
+    state_weights = randn(batch, heads, features, width).detach()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[:2])
+        return chunk_simple_gla_reference(*args, **kwargs)
+
+    def run(function):
+        out, final = function(q, k, v, g=g, scale=0.7, initial_state=h0, output_final_state=True)
+        loss = (out * out_weights).sum() + (final * state_weights).sum()
+        return out, final, torch.autograd.grad(loss, leaves)
+
+    whole = run(chunk_simple_gla_reference)
+    split = run(lambda *args, **kwargs: chunk_in_segments(counted, *args, segment_length=segment_length, **kwargs))
+    segments, size = SEGMENTS[segment_length]
+    assert calls == [(batch * segments, size)]
+    torch.testing.assert_close(split[0], whole[0], **TOL)
+    torch.testing.assert_close(split[1], whole[1], **TOL)
+    for got, want in zip(split[2], whole[2]):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_segments_are_a_multiple_of_fla_s_chunk_where_the_segment_length_allows():
+    calls = []
+
+    def counted(q, k, v, **kwargs):
+        calls.append(q.shape[:2])
+        return chunk_simple_gla_reference(q, k, v, **kwargs)
+
+    q, k, v = torch.randn(1, 3000, 1, 2), torch.randn(1, 3000, 1, 2), torch.randn(1, 3000, 1, 2)
+    chunk_in_segments(counted, q, k, v, segment_length=2048)
+    chunk_in_segments(counted, q, k, v, segment_length=1000)  # gcd(1000, 64) = 8
+    assert calls == [(2, 1536), (3, 1000)]
+
+
+def test_the_state_segment_length_comes_from_the_context_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv(backends.SEGMENT_ENV_VARIABLE, raising=False)
+    assert backends.state_segment_length() == backends.DEFAULT_STATE_SEGMENT == 2048
+    monkeypatch.setenv(backends.SEGMENT_ENV_VARIABLE, "0")
+    assert backends.state_segment_length() == 0
+    with backends.state_segments(512):
+        assert backends.state_segment_length() == 512
+    assert backends.state_segment_length() == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "2k", "1.5", ""])
+def test_a_bad_state_segment_length_is_refused_with_its_value(value, monkeypatch):
+    monkeypatch.setenv(backends.SEGMENT_ENV_VARIABLE, value)
+    with pytest.raises(ValueError, match=f"HF_SOFTMAX_RNN_STATE_SEGMENT={value!r} is not allowed; expected 0"):
+        backends.state_segment_length()
+    with pytest.raises(ValueError, match=r"state_segments\(-3\) is not allowed"):
+        with backends.state_segments(-3):
+            pass

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
+from hf_softmax_rnn.ops import backends
+
 from ..models.helpers import LLAMA_SHAPE
 from .helpers import load_script, tiny_config_dir
 
@@ -105,6 +107,30 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
     assert counts == {False: layers * models * steps, True: 2 * layers * models * steps}
 
 
+def test_unsegmented_presets_are_timed_with_fla_s_rows_left_whole(tmp_path, monkeypatch, capsys):
+    module = _load_script(monkeypatch)
+    seen = []  # (model, the state segment length its forward ran under)
+    convert = module.convert
+
+    def recording(model, name, **kwargs):
+        converted = convert(model, name, **kwargs)
+        index = len(seen)
+        seen.append([])
+        converted.register_forward_pre_hook(lambda *_: seen[index].append(backends.state_segment_length()))
+        return converted
+
+    monkeypatch.setattr(module, "convert", recording)
+    monkeypatch.delenv(backends.SEGMENT_ENV_VARIABLE, raising=False)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", "linear_elu", "--unsegmented", "linear_elu"]
+    module.main(argv + ["--lengths", "16", "--tokens-per-step", "32", "--steps", "1", "--warmup", "1",
+                        "--output", str(output)])  # fmt: skip
+    assert seen == [[backends.DEFAULT_STATE_SEGMENT] * 2, [0, 0]]  # warm-up and timed step of each
+    models = [m["model"] for m in json.loads((output / "bench_train.json").read_text())["measurements"]]
+    assert models == ["transformers", "linear_elu", "linear_elu unsegmented"]
+    assert "linear_elu unsegmented / transformers" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -115,6 +141,10 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
         (["--layers", "0"], "--layers=0 is not allowed"),
         (["--presets", "linear_elu", "nope"], "--presets nope: unknown; expected names from softmax,"),
         (["--device", "cuda"], "--device='cuda' is not available on this machine"),
+        (
+            ["--presets", "linear_elu", "--unsegmented", "hedgehog_window_64"],
+            "--unsegmented hedgehog_window_64: not in --presets; expected names from linear_elu",
+        ),
         (["--model", "/nonexistent"], "--model='/nonexistent' is not allowed; expected a folder with a config.json"),
     ],
     ids=[
@@ -125,6 +155,7 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
         "layers_0",
         "unknown_preset",
         "cuda_without_gpu",
+        "unsegmented_not_timed",
         "missing_config",
     ],  # fmt: skip
 )
