@@ -4,9 +4,10 @@ A subcommand module defines `add_arguments(parser)` (its flags, built from the f
 its settings dataclasses, which hold each flag's help: `commands/arguments.py`) and
 `run(args) -> str | None`, which returns its report (printed here, exit status 0); it is
 imported only when its subcommand runs, so `--help` stays fast. The environment settings and
-output folders are checked (`check_environment`, `check_output_folders`) before a subcommand starts. Bad input (`UserInputError`,
-or an `OSError` such as a missing file) ends with exit status 2 and a one-line message, a
-`CommandError` with its own status; other exceptions are bugs and propagate with their traceback.
+output folders are checked (`check_environment`, `check_output_folders`) before a subcommand
+starts. Bad input (`UserInputError`, or an `OSError` such as a missing file) ends with exit
+status 2 and a one-line message, a `CommandError` with its own status; other exceptions are bugs
+and propagate with their traceback.
 """
 
 from __future__ import annotations
