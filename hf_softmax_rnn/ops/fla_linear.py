@@ -139,8 +139,9 @@ def chunk_in_segments(
             x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, padded - length])
         return x.reshape(batch * segments, size, *x.shape[2:])
 
+    q_rows = rows(q)
     out, local = chunk_function(
-        rows(q), rows(k), rows(v), g=None if g is None else rows(g), scale=scale, initial_state=None,
+        q_rows, rows(k), rows(v), g=None if g is None else rows(g), scale=scale, initial_state=None,
         output_final_state=True,
     )  # fmt: skip
     dtype = torch.promote_types(local.dtype, torch.float32)
@@ -148,7 +149,7 @@ def chunk_in_segments(
         dtype = torch.promote_types(dtype, initial_state.dtype)
     local = local.to(dtype).view(batch, segments, heads, *local.shape[-2:])
     state = torch.zeros_like(local[:, 0]) if initial_state is None else initial_state.to(dtype)
-    queries = rows(q).to(dtype).view(batch, segments, size, heads, -1)
+    queries = q_rows.to(dtype).view(batch, segments, size, heads, -1)
     if g is None:
         ends = state[:, None] + local.cumsum(1)  # [B, S, H, F, V]: the state after each segment
         starts = torch.cat([state[:, None], ends[:, :-1]], dim=1)
