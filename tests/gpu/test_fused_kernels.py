@@ -84,7 +84,7 @@ def fla_calls(monkeypatch):
     assert real is not None, "fla-core is not installed: pip install hf-softmax-rnn[gpu]"
 
     def counted(*args, **kwargs):
-        calls.append(args[0].dtype)
+        calls.append((args[0].dtype, tuple(args[0].shape[:2])))  # (dtype, (rows, positions)), time-major q
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: counted)
@@ -96,10 +96,11 @@ def fla_calls(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", LINEAR)
 def test_fla_path_matches_float64_reference(name, dtype, pad, segment, fla_calls):
-    """With segments of 64, the calls of 130 and 70 positions run as 3 and 2 rows per sequence."""
+    """With segments of 64, the calls of 130 and 70 positions run as 3 and 2 rows of 64 per sequence."""
     with backends.state_segments(segment):
         _compare(quiet_preset(name), dtype, pad, "chunked", split=130)
-    assert fla_calls and set(fla_calls) == {dtype}
+    assert fla_calls and {called for called, _ in fla_calls} == {dtype}
+    assert [rows for _, rows in fla_calls] == ([(6, 64), (4, 64)] if segment else [(2, 130), (2, 70)])
 
 
 @pytest.mark.parametrize("mode", ["parallel", "chunked"])
