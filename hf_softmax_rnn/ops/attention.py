@@ -22,6 +22,7 @@ from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
 from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_weight
+from hf_softmax_rnn.ops.window_step import window_hybrid_step
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -475,7 +476,12 @@ def _finite_state(
     reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
     decays the finite state at each new position before the key that enters there is added.
     With `window_fused` "flex" (an empty buffer and no state wanted back, see `ops.backends`) the
-    exact part, sinks included, runs in FlexAttention."""
+    exact part, sinks included, runs in FlexAttention. One recurrent step of a hybrid (decoding) takes
+    `ops.window_step`, the same result in fewer operations."""
+    if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
+        return window_hybrid_step(
+            q, k, augmented_v, key_mask, state, kernel, spec, window_scale, linear_log_scale, in_place, log_decay
+        )
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
     if spec.window is None:

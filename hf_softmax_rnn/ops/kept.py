@@ -24,8 +24,9 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
   N x N ranking, counted once for the slots and cumulatively over the leaving keys), so time and
   memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots that
   cannot hold a kept key yet are left out (a call that starts empty compares at most the keys that
-  have left its window so far, not K), and put back as empty slots at the end. One step (decoding)
-  takes a shorter path with the same result (`_select_one`).
+  have left its window so far, not K), and put back as empty slots at the end.
+- `kept_step`: one step (decoding) in fewer operations, the same sets: the leaving key takes the
+  weakest slot when it ranks above it (`ops.window_step` scores the kept keys with the window's).
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
 `[B, Hkv, L, Dv + 1]`, saliencies `[B, Hkv, L]`.
@@ -127,10 +128,6 @@ def select_kept(
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
         scale: multiplier of q.k; block: steps per block C.
     """
-    if q.shape[-2] == 1:
-        return _select_one(
-            q, leaving_keys, leaving_values, leaving_scores, leaving_positions, candidate, buffers, scale
-        )
     kept = buffers[0].shape[2]
     slots_after = _slots_in_use(buffers[4], candidate, kept)
     keys, values, scores, positions, valid = (x[:, :, : slots_after[0]] for x in buffers)
@@ -197,35 +194,53 @@ def _slots_in_use(valid: torch.Tensor, candidate: torch.Tensor, kept: int) -> li
     return torch.cat([filled[None], (filled + arrived).clamp_max(kept)]).tolist()
 
 
-def _select_one(q, leaving_key, leaving_value, leaving_score, leaving_position, candidate, buffers, scale):
-    """`select_kept` for one step (decoding), in fewer operations: the leaving key takes the slot of the
-    lowest-ranked kept key (an empty slot first) when it ranks above it, and the displaced key enters
-    the finite state; otherwise the leaving key enters. The same sets as the block form; the slots
-    may hold them in another order."""
+def kept_step(
+    leaving_key: torch.Tensor,
+    leaving_value: torch.Tensor,
+    leaving_score: torch.Tensor,
+    leaving_position: torch.Tensor,
+    candidate: torch.Tensor,
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One step of the selection (decoding): the leaving key takes the slot of the lowest-ranked kept
+    key (an empty slot first) when it ranks above it, and the displaced key enters the finite state;
+    otherwise the leaving key enters. The same sets as `select_kept`; the slots may hold them in
+    another order.
+
+    Args:
+        leaving_key, leaving_value: `[B, Hkv, 1, D]`, `[B, Hkv, 1, Dv + 1]`; leaving_score `[B, Hkv, 1]`;
+            leaving_position `[B, 1]`; candidate `[B, 1]` bool; buffers: as `select_kept` takes them.
+        in_place: write the one slot that changes into the buffers themselves (decoding without
+            autograd) instead of into copies.
+
+    Returns:
+        (the key `[B, Hkv, 1, D]` and value `[B, Hkv, 1, Dv + 1]` entering the finite state (zero value
+        where none does), the five buffers after the step).
+    """
     keys, values, scores, positions, valid = buffers
     ranked = torch.where(valid, scores, torch.full_like(scores, -torch.inf))
     ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest rank
     lowest = torch.iinfo(positions.dtype).min  # below every position, -1 (nothing left the window) included
-    weakest = positions.masked_fill(~ties, lowest).argmax(-1, keepdim=True)  # of equals, the latest ranks lowest
-    free = ~valid.gather(-1, weakest)
-    takes = candidate[:, None, :] & (free | (leaving_score > scores.gather(-1, weakest)))  # [B, Hkv, 1]
-    slot = (torch.arange(keys.shape[2], device=q.device) == weakest) & takes  # [B, Hkv, K]
-    displaced_key = keys.gather(2, weakest[..., None].expand(-1, -1, -1, keys.shape[-1]))
-    displaced_value = values.gather(2, weakest[..., None].expand(-1, -1, -1, values.shape[-1])) * (~free)[..., None]
-    keys = torch.where(slot[..., None], leaving_key, keys)
-    values = torch.where(slot[..., None], leaving_value, values)
-    scores = torch.where(slot, leaving_score, scores)
-    positions = torch.where(slot, leaving_position[:, None, :], positions)
-    valid = valid | slot
-    numerator, row_max = masked_exp_part(q, keys, values, valid[:, :, None, None, :], scale)
-    return KeptSelection(
-        keys=torch.where(takes[..., None], displaced_key, leaving_key),
-        values=torch.where(takes[..., None], displaced_value, leaving_value),
-        numerator=numerator,
-        row_max=row_max,
-        kept_keys=keys,
-        kept_values=values,
-        kept_scores=scores,
-        kept_positions=positions,
-        kept_valid=valid,
+    weakest = positions.masked_fill(~ties, lowest).argmax(-1, keepdim=True)  # [B, Hkv, 1]: of equals, the latest
+    held = valid.gather(-1, weakest)
+    held_score = scores.gather(-1, weakest)
+    takes = candidate[:, None, :] & (~held | (leaving_score > held_score))  # [B, Hkv, 1]
+    rows = weakest[..., None]
+    held_key = keys.gather(2, rows.expand(-1, -1, -1, keys.shape[-1]))
+    held_value = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1]))
+    slot = (
+        torch.where(takes[..., None], leaving_key, held_key),
+        torch.where(takes[..., None], leaving_value, held_value),
+        torch.where(takes, leaving_score, held_score),
+        torch.where(takes, leaving_position[:, None, :], positions.gather(-1, weakest)),
+        takes | held,
     )
+    indices = (rows.expand_as(held_key), rows.expand_as(held_value), weakest, weakest, weakest)
+    buffers = tuple(
+        buffer.scatter_(2, index, new) if in_place else buffer.scatter(2, index, new)
+        for buffer, index, new in zip(buffers, indices, slot)
+    )
+    entering_key = torch.where(takes[..., None], held_key, leaving_key)
+    entering_value = torch.where(takes[..., None], held_value * held[..., None], leaving_value)
+    return entering_key, entering_value, buffers

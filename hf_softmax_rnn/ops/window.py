@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import row_shift
 
 
@@ -97,10 +98,10 @@ def masked_exp_part(
         (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max m, detached; -inf where a query
         sees none of the keys), as `merge_exact` takes them.
     """
-    x = (scale * (q @ keys.unsqueeze(2).mT)).masked_fill(~visible, float("-inf"))
+    x = (scale * grouped_matmul(q, keys.mT)).masked_fill(~visible, float("-inf"))
     shift = row_shift(x)
     empty = ~visible.any(-1, keepdim=True)
-    return torch.exp(x - shift) @ values.unsqueeze(2), shift.masked_fill(empty, float("-inf"))
+    return grouped_matmul(torch.exp(x - shift), values), shift.masked_fill(empty, float("-inf"))
 
 
 def merge_exact(

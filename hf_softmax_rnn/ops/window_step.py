@@ -1,0 +1,125 @@
+"""One decoding step of a sliding-window hybrid: window, sinks and kept keys in one exact part.
+
+A call of L positions computes the exact part block by block: the window (`ops.window`), then the
+sinks (`ops.sinks`) and the kept keys (`ops.kept`), each with its own row max, merged under the
+joint one. A decoding step has one query, which sees at most W + S + K exact keys: the last W
+positions (the leaving key out, the new one in), the sink slots filled so far and the kept slots in
+use. `window_hybrid_step` scores them with one masked exp under one row max, in a few dozen tensor
+operations where the block forms take a few hundred (on a CPU, and on a GPU without CUDA graphs, a
+decoding step costs about one dispatch per operation). Its outputs and state are those of the
+block forms (tested against them in float64).
+
+Shapes: grouped q `[B, Hkv, G, 1, D]`, k `[B, Hkv, 1, D]`, augmented v `[B, Hkv, 1, Dv + 1]`
+(a trailing weight column: 1 at a token, 0 at padding), key_mask `[B, 1]` bool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.ops.grouping import grouped_matmul
+from hf_softmax_rnn.ops.kept import kept_step
+from hf_softmax_rnn.ops.kernels import FeatureKernel, row_shift
+from hf_softmax_rnn.ops.linear import recurrent_linear_attention
+from hf_softmax_rnn.ops.sinks import visible_ranks
+from hf_softmax_rnn.ops.window import mix_weight
+
+if TYPE_CHECKING:
+    from hf_softmax_rnn.ops.attention import RecurrentState
+
+
+def window_hybrid_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    augmented_v: torch.Tensor,
+    key_mask: torch.Tensor,
+    state: RecurrentState,
+    kernel: FeatureKernel,
+    spec: AttentionSpec,
+    scale: float,
+    linear_log_scale: torch.Tensor,
+    in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RecurrentState]:
+    """The augmented numerator `[B, Hkv, G, 1, Dv + 1]` of one position and the state after it (its
+    `t` and `made_by` are left to the caller).
+
+    Args:
+        q, k, augmented_v, key_mask: the step's query, key, augmented value and padding mask.
+        state: the state before the step (window buffer, and sink and kept buffers where the spec
+            has them). kernel: the finite-state kernel. spec: a spec with a window.
+        scale: multiplier of q.k in the exact part. linear_log_scale: `[H]` log weight of the
+            finite-state part.
+        in_place, log_decay: as `ops.linear.recurrent_linear_attention` takes them (`[B, Hkv, 1]`).
+    """
+    dtype, window, kv_heads = q.dtype, spec.window, k.shape[1]
+    old_keys, old_values = state.window_keys.to(dtype), state.window_values.to(dtype)
+    valid = torch.cat([state.window_valid, key_mask], dim=-1)  # [B, W + 1]: the leaving key, then the window
+    window_keys = torch.cat([old_keys[..., 1:, :], k], dim=-2)
+    window_values = torch.cat([old_values[..., 1:, :], augmented_v], dim=-2)
+    leaving_key, leaving_value = old_keys[..., :1, :], old_values[..., :1, :]
+    fields = dict(window_keys=window_keys, window_values=window_values, window_valid=valid[:, 1:])
+    candidate, sinks = valid, []  # candidate: may be scored as a window or kept key (visible, not a sink)
+    if spec.sinks is not None or spec.kept is not None:
+        ranks = visible_ranks(valid, state.t, window)
+    if spec.sinks is not None:
+        is_sink = valid & (ranks < spec.sinks)
+        candidate = valid & ~is_sink
+        leaving_value = leaving_value * (~is_sink[:, None, :1, None]).to(dtype)  # a sink never enters
+        slots = torch.arange(spec.sinks, device=q.device)
+        written = ((ranks[:, -1:] == slots) & is_sink[:, -1:])[:, None, :, None]  # [B, 1, S, 1]
+        fields["sink_keys"] = torch.where(written, k, state.sink_keys.to(dtype))
+        fields["sink_values"] = torch.where(written, augmented_v, state.sink_values.to(dtype))
+        seen = state.t[:, None] + key_mask.long()
+        sinks = [(fields["sink_keys"], fields["sink_values"], (slots < seen)[:, None].expand(-1, kv_heads, -1))]
+    # the exact part's (keys, values, visibility [B, Hkv, N]): the window, the sinks, the kept keys
+    exact = [(window_keys, window_values, candidate[:, None, 1:].expand(-1, kv_heads, -1)), *sinks]
+    if spec.kept is not None:
+        window_scores = state.window_scores.to(dtype)
+        leaving_saliency = window_scores[..., :1]  # final: no later query sees the leaving key in its window
+        leaving_rank = torch.maximum(leaving_saliency, state.left_score.to(dtype)[..., None])
+        buffers = (
+            state.kept_keys.to(dtype),
+            state.kept_values.to(dtype),
+            state.kept_scores.to(dtype),
+            state.kept_positions,
+            state.kept_valid,
+        )
+        leaving_key, leaving_value, buffers = kept_step(
+            leaving_key, leaving_value, leaving_rank, ranks[:, :1], candidate[:, :1], buffers, in_place
+        )
+        names = ("kept_keys", "kept_values", "kept_scores", "kept_positions", "kept_valid")
+        fields.update(zip(names, buffers))
+        exact.append((buffers[0], buffers[1], buffers[4]))
+
+    keys, values, visible = zip(*exact)
+    scores = [scale * grouped_matmul(q, part.mT) for part in keys]  # (no copy of the keys: they are large)
+    visible = torch.cat(visible, dim=-1) if len(visible) > 1 else visible[0]
+    x = (torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]).masked_fill(
+        ~visible[:, :, None, None], -torch.inf
+    )
+    row_max = row_shift(x)  # [B, Hkv, G, 1, 1]
+    weights = torch.exp(x - row_max).split([part.shape[2] for part in keys], dim=-1)
+    numerator = sum(grouped_matmul(part_weights, part) for part_weights, part in zip(weights, values))
+    if spec.kept is not None:
+        fields["left_score"] = leaving_saliency[..., 0].clone()  # a static cache overwrites window_scores first
+        fields["window_scores"] = torch.maximum(
+            F.pad(window_scores[..., 1:], (0, 1)), _saliency(x[..., :window].detach(), key_mask, dtype)
+        )
+    linear, fields["packed"] = recurrent_linear_attention(
+        q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay
+    )
+    return numerator + linear * mix_weight(linear_log_scale, row_max, kv_heads), dataclasses.replace(state, **fields)
+
+
+def _saliency(window_scores: torch.Tensor, query_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, Hkv, W]` the largest window-softmax weight of each window key over the query heads, from the
+    masked scores `[B, Hkv, G, 1, W]` (0 for a padding query), as `ops.window` computes it for a block."""
+    weights = torch.exp(window_scores - row_shift(window_scores))
+    probabilities = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    return probabilities.amax(dim=(2, 3)) * query_valid.to(dtype)[:, :, None]
