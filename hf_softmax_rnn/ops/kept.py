@@ -20,9 +20,10 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
   each key's entry step, from all rank scores at once.
 - `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
-  of C steps compares the N <= K + C candidates (the kept slots in use and its C leaving keys; an
-  N x N ranking, counted once for the slots and cumulatively over the leaving keys), so time and
-  memory are O(L N), and the K keys, values, rank scores and positions are the state. Slots that
+  of C steps ranks the N <= K + C candidates (the kept slots in use and its C leaving keys) by one
+  sort and counts, for each step, the arrived candidates above each one (`_outranked`; the pairwise
+  comparison `_ranks_above` is its reference), so time and memory are O(L N) for L steps (and a
+  sort of N per block), and the K keys, values, rank scores and positions are the state. Slots that
   cannot hold a kept key yet are left out (a call that starts empty compares at most the keys that
   have left its window so far, not K), and put back as empty slots at the end.
 - `kept_step`: one step (decoding) in fewer operations, the same sets: the leaving key takes the
@@ -145,9 +146,8 @@ def select_kept(
             [torch.full((slots,), -1, device=q.device), torch.arange(size, device=q.device)]
         )  # the step of the block from which a candidate has left the window
         arrived = arrival[None, :] <= torch.arange(size, device=q.device)[:, None]  # [C, N]
-        above = _ranks_above(cand_scores, cand_positions, cand_valid)  # [B, Hkv, N, N]
         # candidates arrived by step c that rank above j: every slot, and the leaving keys up to c
-        outranked = above[:, :, :slots].sum(2, keepdim=True) + above[:, :, slots:].cumsum(2)  # [B, Hkv, C, N]
+        outranked = _outranked(cand_scores, cand_positions, cand_valid, arrival, size)  # [B, Hkv, C, N]
         is_kept = cand_valid[:, :, None, :] & arrived & (outranked < kept)  # [B, Hkv, C, N]
         before = torch.cat([(cand_valid & (arrival < 0))[:, :, None, :], is_kept[:, :, :-1]], dim=2)
         arriving = arrival[None, :] == torch.arange(size, device=q.device)[:, None]
@@ -182,6 +182,23 @@ def select_kept(
         kept_positions=positions,
         kept_valid=valid,
     )
+
+
+def _outranked(
+    scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, arrival: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """`[B, Hkv, C, N]` how many valid candidates that have arrived by step c rank above candidate j
+    (`_ranks_above`: a higher score, or an equal one and an earlier position), from the scores,
+    positions and validity `[B, Hkv, N]` of the candidates and the step `[N]` from which each has
+    arrived (-1: before the block; C = `steps`). The candidates are sorted once by rank and each
+    counts those before it: O(N (C + log N)) time and memory, where comparing every pair is O(N^2)."""
+    by_position = positions.argsort(dim=-1, stable=True)
+    by_rank = scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)
+    order = by_position.gather(-1, by_rank)  # [B, Hkv, N]: the candidates from the highest rank down
+    arrived = arrival[order][..., None] <= torch.arange(steps, device=scores.device)  # [B, Hkv, N, C]
+    counted = (arrived & valid.gather(-1, order)[..., None]).to(torch.int32)
+    above = counted.cumsum(-2, dtype=torch.int32) - counted  # those sorted before each candidate
+    return torch.empty_like(above).scatter_(-2, order[..., None].expand_as(above), above).mT
 
 
 def _slots_in_use(valid: torch.Tensor, candidate: torch.Tensor, kept: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
-from hf_softmax_rnn.ops.kept import kept_schedule, select_kept
+from hf_softmax_rnn.ops.kept import _outranked, _ranks_above, kept_schedule, select_kept
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
 from .test_window import _phi
@@ -225,6 +225,24 @@ def test_schedule_keeps_the_top_ranked_and_enters_the_rest_when_displaced():
     assert kept[0, 0, 5].tolist() == [True, False, False, False, True, False]
     # entry: s + W + the steps it stays kept; keys 0 and 4 are still kept at the last query (6 = L)
     assert entry[0, 0].tolist() == [6, 3, 5, 4, 6, 6]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranking_by_sort_counts_as_comparing_every_pair(seed):
+    """How many arrived candidates rank above each one, by one sort, equals the pairwise comparison
+    (ties in score broken by position; invalid candidates, at position -1 as empty slots are, count
+    for none)."""
+    generator = torch.Generator().manual_seed(seed)
+    slots, steps = 6, 5
+    size = slots + steps
+    scores = torch.randint(0, 3, (2, 3, size), generator=generator).double()  # many equal scores
+    positions = torch.stack([torch.randperm(size, generator=generator) for _ in range(6)]).view(2, 3, size)
+    valid = torch.rand(2, 3, size, generator=generator) > 0.3
+    positions = positions.masked_fill(~valid, -1)
+    arrival = torch.cat([torch.full((slots,), -1), torch.arange(steps)])
+    above = _ranks_above(scores, positions, valid)  # [B, Hkv, i, j]
+    pairwise = above[:, :, :slots].sum(2, keepdim=True) + above[:, :, slots:].cumsum(2)
+    assert torch.equal(_outranked(scores, positions, valid, arrival, steps).long(), pairwise)
 
 
 def _buffers(scores, positions, valid, dim=2):
