@@ -53,22 +53,30 @@ def banded_exp_attention(
     block = max(1, min(block, length))
     blocks = -(-length // block)
     pad, span = blocks * block - length, block + window
-    q = F.pad(q, (0, 0, 0, pad)).view(batch, kv_heads, groups, blocks, block, head_dim)
-    key_blocks = F.pad(keys, (0, 0, 0, pad)).unfold(2, span, block)
+    # [B, Hkv, blocks, G * C, D]: the query heads of a KV head stacked as rows, so that each block of
+    # keys is read once (a product broadcast over G would copy it G times)
+    q = F.pad(q, (0, 0, 0, pad)).view(batch, kv_heads, groups, blocks, block, head_dim).transpose(2, 3)
+    q = q.reshape(batch, kv_heads, blocks, groups * block, head_dim)
+    key_blocks = F.pad(keys, (0, 0, 0, pad)).unfold(2, span, block)  # [B, Hkv, blocks, D, C + W]
     value_blocks = F.pad(values, (0, 0, 0, pad)).unfold(2, span, block)
     valid_blocks = F.pad(key_valid, (0, pad)).unfold(1, span, block)
     rows = torch.arange(block, device=q.device)[:, None]
     cols = torch.arange(span, device=q.device)[None, :]
-    visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, None, :, None, :]
-    x = (scale * (q @ key_blocks.unsqueeze(2))).masked_fill(~visible, float("-inf"))
+    visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
+    x = (scale * (q @ key_blocks)).view(batch, kv_heads, blocks, groups, block, span)
+    x = x.masked_fill(~visible, float("-inf"))  # [B, Hkv, blocks, G, C, C + W]
     row_max = row_shift(x)
     weights = torch.exp(x - row_max)
-    numerator = weights @ value_blocks.unsqueeze(2).mT
-    numerator = numerator.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
-    row_max = row_max.reshape(batch, kv_heads, groups, blocks * block, 1)[..., :length, :]
+    numerator = weights.view(batch, kv_heads, blocks, groups * block, span) @ value_blocks.mT
+
+    def per_query(blocked: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G(, C), C, X] -> [B, Hkv, G, L, X]
+        blocked = blocked.view(batch, kv_heads, blocks, groups, block, -1).transpose(2, 3)
+        return blocked.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
+
+    numerator, row_max = per_query(numerator), per_query(row_max)
     if query_valid is None:
         return numerator, row_max
-    return numerator, row_max, _saliency(weights.detach(), query_valid, block, window, length)
+    return numerator, row_max, _saliency(weights.detach().transpose(2, 3), query_valid, block, window, length)
 
 
 def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, window: int, length: int) -> torch.Tensor:
