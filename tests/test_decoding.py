@@ -21,6 +21,9 @@ SPECS = {
     "softmax_taylor_2": "softmax_taylor_2",
     "softmax_taylor_2_l2": "softmax_taylor_2_l2",
     "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+    "hedgehog_window2_sinks1_kept2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
 }
 #: aten ops that read a tensor's value on the host (a device sync) or copy Python values to the device.
 HOST_OPS = (

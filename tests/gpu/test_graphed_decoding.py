@@ -20,6 +20,9 @@ SPECS = {
     "linear_elu": "linear_elu",
     "softmax_taylor_2": "softmax_taylor_2",
     "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+    "hedgehog_window2_sinks1_kept2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
 }
 STEPS = 6
 
