@@ -54,6 +54,20 @@ def test_compiled_forward_generates_through_a_static_cache_as_eager(family, name
 
 
 @pytest.mark.slow
+def test_compiled_decoding_with_kept_positions_generates_as_eager(family):
+    """Kept positions (with sinks and a decay), whose prefill reads the number of slots in use on the
+    host (a graph break: not fullgraph) and whose decode step scores window, sinks and kept keys
+    together (`ops.window_step`)."""
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, chunk_size=4)
+    model = tiny_model(family, spec)
+    ids, mask = left_padded_batch(lengths=(10, 6))
+    greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    expected = model.generate(ids, **greedy)
+    model.forward = torch.compile(model.forward, backend=BACKEND)
+    assert torch.equal(model.generate(ids, **greedy), expected)
+
+
+@pytest.mark.slow
 def test_compiled_model_refuses_packed_sequences(family):
     model = tiny_model(family, "linear_elu")
     compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
