@@ -188,18 +188,20 @@ def summary(measurements: list[Measurement], contexts: list[int]) -> list[str]:
 
 
 def markdown_table(measurements: list[Measurement], contexts: list[int]) -> str:
-    """context | ms/token of each model | each converted model's ratio to transformers | cache MiB."""
+    """context | ms/token of each model | each converted model's ratio to transformers | cache MiB |
+    prefill seconds."""
     names = list(dict.fromkeys(m.model for m in measurements))
     by_key = {(m.model, m.context): m for m in measurements}
     converted = [name for name in names if name != BASELINE] if BASELINE in names else []
     header = ["context", *(f"{n} ms/token" for n in names), *(f"{n} / {BASELINE}" for n in converted)]
-    header += [f"{n} cache MiB" for n in names]
+    header += [f"{n} cache MiB" for n in names] + [f"{n} prefill s" for n in names]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
     for context in contexts:
         row = [str(context)]
         row += [f"{by_key[n, context].latency_ms:.2f}" for n in names]
         row += [f"{by_key[n, context].latency_ms / by_key[BASELINE, context].latency_ms:.2f}x" for n in converted]
         row += [f"{by_key[n, context].cache_bytes / 2**20:.2f}" for n in names]
+        row += [f"{by_key[n, context].prefill_s:.2f}" for n in names]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -48,6 +48,12 @@ def _check(result: dict, printed: str, presets: list[str]) -> None:
     header = "| context | transformers ms/token | " + " | ".join(f"{p} ms/token" for p in presets)
     assert header in printed
     assert all(f"{p} / transformers" in printed for p in presets)
+    table = [[cell.strip() for cell in line.strip("| ").split("|")] for line in printed.splitlines() if line[:1] == "|"]
+    rows = {int(row[0]): row for row in table[2:]}
+    for name in ["transformers", *presets]:  # each model's prefill time, as the JSON has it
+        column = table[0].index(f"{name} prefill s")
+        for context in CONTEXTS:
+            assert float(rows[context][column]) == round(cells[name, context]["prefill_s"], 2)
 
 
 def test_eager_decoding_of_transformers_and_converted_models(tmp_path, monkeypatch, capsys):
