@@ -7,9 +7,10 @@ features are computed here in float32 (so learned maps such as hedgehog get thei
 through autograd). The numerator goes to `chunk_simple_gla` (no decay, scale 1) with the
 features in the caller's dtype (bfloat16 for a bfloat16 model); fla accumulates in float32, and
 the state stays in the compute dtype (float32 or float64). The denominator
-phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s)) is a cumulative sum of the float32 features beside it,
-as fla's own normalised linear attention computes it: the values fla reads keep their width (64,
-not 65 padded to 66, for which fla's kernels would run one more block of 32 or 64 value columns).
+phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s)) is a cumulative sum beside it, as fla's own normalised
+linear attention computes it, of the features as fla reads them (so that autograd keeps one copy of
+them), summed in the compute dtype: the values fla reads keep their width (64, not 65 padded to 66,
+for which fla's kernels would run one more block of 32 or 64 value columns).
 fla wants as many key heads as query heads, so keys, values and the state are repeated over the
 G query heads of a group; the G copies of the final state are equal and one is kept. Its backward
 in half precision wants even feature and value widths: an odd one gets a zero column, which adds
@@ -61,10 +62,16 @@ def fla_chunked_linear_attention(
     values, key_weights = v[..., :-1], v[..., -1:]
     initial_s, initial_z = state[..., :-1], state[..., -1]
     phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
-    running_z = initial_z[..., None, :] + torch.cumsum(phi_k * key_weights, dim=-2)  # [B, Hkv, L, F]
-    denominator = (phi_q * running_z[:, :, None]).sum(-1, keepdim=True)
+    # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
+    # of them, the one fla keeps, not a float32 one beside it
+    fla_q = _even(phi_q.reshape(batch, heads, length, -1), -1).transpose(1, 2).to(io_dtype).contiguous()
+    phi_k = phi_k.to(io_dtype)
+    weighted_k = phi_k * key_weights.to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
+    running_z = initial_z[..., None, :] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
+    grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
+    denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True)  # in the state's dtype
     out, final = chunk_function(
-        _even(phi_q.reshape(batch, heads, length, -1), -1).transpose(1, 2).to(io_dtype).contiguous(),
+        fla_q,
         *(
             _even(x.repeat_interleave(group, dim=1), -1).transpose(1, 2).to(io_dtype).contiguous()
             for x in (phi_k, values)

@@ -102,6 +102,61 @@ def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
             torch.testing.assert_close(got, want, **TOL)
 
 
+class _FlaStandIn(torch.autograd.Function):
+    """fla's `chunk_simple_gla` as autograd sees it: the float64 statement's values, and q, k, v and the
+    initial state kept for the backward pass (fla recomputes the rest there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state):
+        ctx.save_for_backward(q, k, v, initial_state)
+        return chunk_simple_gla_reference(q, k, v, initial_state=initial_state)
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        q, k, v, initial_state = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, initial_state)]
+            outputs = chunk_simple_gla_reference(*leaves[:3], initial_state=leaves[3])
+            return torch.autograd.grad(outputs, leaves, (d_out, d_final))
+
+
+def _saved_bytes(function) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of `function()`."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return sum(storages.values())
+
+
+def test_bfloat16_through_fla_keeps_little_beside_fla_and_matches_the_pytorch_form(monkeypatch):
+    """SmolLM2's heads (9 query, 3 KV, 64 wide) in bfloat16: beside what fla keeps (its q, k, v), the
+    PyTorch around it keeps under 7,000 bytes per token for the backward pass (the float32 features of
+    the queries once, not twice, and not all of the augmented values for their weight column), and its
+    outputs are the PyTorch form's to bfloat16 rounding."""
+    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(backends, "fla_chunk_function", lambda: lambda q, k, v, *, initial_state, **_: (
+        _FlaStandIn.apply(q, k, v, initial_state)
+    ))  # fmt: skip
+    spec, length = FINITE_SPECS["linear_elu"], 1024
+    q, k, v, _ = make_inputs(batch=1, heads=9, kv_heads=3, length=length, head_dim=64, dtype=torch.bfloat16)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    outputs = {}
+
+    def run(fused: bool):
+        with backends.fused_kernels(fused):
+            outputs[fused], _ = attention(*leaves, spec, mode="chunked", return_state=False)
+
+    kept_by_fla = 3 * 9 * 64 * 2  # bytes per token: q, k and v repeated to 9 heads of 64, bfloat16
+    assert _saved_bytes(lambda: run(True)) / length - kept_by_fla < 7000
+    run(False)
+    torch.testing.assert_close(outputs[True].float(), outputs[False].float(), rtol=2e-2, atol=2e-2)
+
+
 #: segment length -> (segments, their length): equal segments, a multiple of gcd(length, 64), padded.
 SEGMENTS = {1: (13, 1), 4: (4, 4), 5: (3, 5), 12: (2, 8), 13: (1, 13)}
 
