@@ -433,7 +433,8 @@ def attention(
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
             window_fused=window_fused,
         )
-        numerator, denominator = augmented[..., :value_dim], augmented[..., value_dim]
+        numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
+        denominator = denominator.squeeze(-1)
         visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
         new_state.t = visible[:, 0, -1]
         new_state.made_by = tag

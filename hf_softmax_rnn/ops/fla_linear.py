@@ -42,6 +42,15 @@ def _even(x: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
+def _time_major(x: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
+    """`[B, heads, L, F]` -> fla's contiguous `[B, L, heads * group, F]` in `dtype`, each head repeated
+    `group` times and an odd F padded to even: converted before it is repeated, laid out in one copy."""
+    x = x.transpose(1, 2)
+    if group > 1:
+        return _even(x.to(dtype).repeat_interleave(group, dim=2), -1)
+    return _even(x.to(dtype, memory_format=torch.contiguous_format).contiguous(), -1)
+
+
 def fla_chunked_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,7 +73,7 @@ def fla_chunked_linear_attention(
     phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
     # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
     # of them, the one fla keeps, not a float32 one beside it
-    fla_q = _even(phi_q.reshape(batch, heads, length, -1), -1).transpose(1, 2).to(io_dtype).contiguous()
+    fla_q = _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype)
     phi_k = phi_k.to(io_dtype)
     weighted_k = phi_k * key_weights.to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
     running_z = initial_z[..., None, :] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
@@ -72,18 +81,16 @@ def fla_chunked_linear_attention(
     denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True)  # in the state's dtype
     out, final = chunk_function(
         fla_q,
-        *(
-            _even(x.repeat_interleave(group, dim=1), -1).transpose(1, 2).to(io_dtype).contiguous()
-            for x in (phi_k, values)
-        ),
+        _time_major(phi_k, io_dtype, group),
+        _time_major(values, io_dtype, group),
         scale=1.0,
         initial_state=_even(_even(initial_s.repeat_interleave(group, dim=1), -1), -2).contiguous(),
         output_final_state=True,
     )
-    numerator = out[..., :value_dim].transpose(1, 2).to(q.dtype).reshape(batch, kv_heads, group, length, value_dim)
+    numerator = out[..., :value_dim].transpose(1, 2).reshape(batch, kv_heads, group, length, value_dim)
     final_s = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :value_dim].to(q.dtype)
     final_state = torch.cat([final_s, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
-    return torch.cat([numerator, denominator], dim=-1), final_state
+    return torch.cat([numerator, denominator], dim=-1), final_state  # (cat converts fla's dtype to the state's)
 
 
 def _fla_decayed(q, k, v, state, kernel, io_dtype, chunk_function, log_decay):
@@ -93,9 +100,10 @@ def _fla_decayed(q, k, v, state, kernel, io_dtype, chunk_function, log_decay):
     heads, (features, width) = kv_heads * group, state.shape[-2:]
     phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
     out, final = chunk_function(
-        _even(phi_q.reshape(batch, heads, length, -1), -1).transpose(1, 2).to(io_dtype).contiguous(),
-        *(_even(x.repeat_interleave(group, dim=1), -1).transpose(1, 2).to(io_dtype).contiguous() for x in (phi_k, v)),
-        g=log_decay.repeat_interleave(group, dim=1).transpose(1, 2).contiguous(),  # fp32 (the compute dtype)
+        _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype),
+        _time_major(phi_k, io_dtype, group),
+        _time_major(v, io_dtype, group),
+        g=log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # fp32 (the compute dtype)
         scale=1.0,
         initial_state=_even(_even(state.repeat_interleave(group, dim=1), -1), -2).contiguous(),
         output_final_state=True,
