@@ -63,54 +63,34 @@ def fla_chunked_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the final state, in q's dtype; `log_decay`
     `[B, Hkv, L]` decays the state (None = no decay)."""
-    if log_decay is not None:
-        return _fla_decayed(q, k, v, state, kernel, io_dtype, chunk_function, log_decay)
     batch, kv_heads, group, length, _ = q.shape
     heads, (features, width) = kv_heads * group, state.shape[-2:]
-    value_dim = width - 1
-    values, key_weights = v[..., :-1], v[..., -1:]
-    initial_s, initial_z = state[..., :-1], state[..., -1]
-    phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
-    # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
-    # of them, the one fla keeps, not a float32 one beside it
+    # with a decay the weight column goes through fla with the values (z decays with S); without, z is
+    # a cumulative sum beside it and fla reads the values alone
+    carried = width if log_decay is not None else width - 1
+    phi_q, phi_k = kernel.query_features(q), kernel.key_features(k).to(io_dtype)
     fla_q = _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype)
-    phi_k = phi_k.to(io_dtype)
-    weighted_k = phi_k * key_weights.to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
-    running_z = initial_z[..., None, :] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
-    grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
-    denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True)  # in the state's dtype
     out, final = chunk_function(
         fla_q,
         _time_major(phi_k, io_dtype, group),
-        _time_major(values, io_dtype, group),
+        _time_major(v[..., :carried], io_dtype, group),
+        g=None if log_decay is None else log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # (fp32)
         scale=1.0,
-        initial_state=_even(_even(initial_s.repeat_interleave(group, dim=1), -1), -2).contiguous(),
+        initial_state=_even(_even(state[..., :carried].repeat_interleave(group, dim=1), -1), -2).contiguous(),
         output_final_state=True,
     )
-    numerator = out[..., :value_dim].transpose(1, 2).reshape(batch, kv_heads, group, length, value_dim)
-    final_s = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :value_dim].to(q.dtype)
-    final_state = torch.cat([final_s, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
+    numerator = out[..., :carried].transpose(1, 2).reshape(batch, kv_heads, group, length, carried)
+    final_state = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :carried].to(q.dtype)
+    if log_decay is not None:
+        return numerator.to(q.dtype), final_state
+    # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
+    # of them, the one fla keeps, not a float32 one beside it
+    weighted_k = phi_k * v[..., -1:].to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
+    running_z = state[..., None, :, -1] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
+    grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
+    denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True)  # in the state's dtype
+    final_state = torch.cat([final_state, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
     return torch.cat([numerator, denominator], dim=-1), final_state  # (cat converts fla's dtype to the state's)
-
-
-def _fla_decayed(q, k, v, state, kernel, io_dtype, chunk_function, log_decay):
-    """`fla_chunked_linear_attention` with a decay: the augmented values (weight column included)
-    and the whole state go through fla's gated kernel."""
-    batch, kv_heads, group, length, _ = q.shape
-    heads, (features, width) = kv_heads * group, state.shape[-2:]
-    phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
-    out, final = chunk_function(
-        _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype),
-        _time_major(phi_k, io_dtype, group),
-        _time_major(v, io_dtype, group),
-        g=log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # fp32 (the compute dtype)
-        scale=1.0,
-        initial_state=_even(_even(state.repeat_interleave(group, dim=1), -1), -2).contiguous(),
-        output_final_state=True,
-    )
-    numerator = out[..., :width].transpose(1, 2).to(q.dtype).reshape(batch, kv_heads, group, length, width)
-    final_state = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :width].to(q.dtype)
-    return numerator, final_state
 
 
 #: fla's chunk length: segments are a multiple of it where the segment length allows.
