@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -282,6 +283,36 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec, tag: tuple
         raise ValueError(f"attention: the state holds {held_kept} kept positions but the spec has kept={spec.kept}")
 
 
+def _autocast_dtype(q, k, v) -> torch.dtype | None:
+    """The dtype autocast runs an attention of q, k, v in (as it runs `scaled_dot_product_attention`),
+    or None: outside autocast, for float64 inputs (autocast leaves them alone) or for inputs the call
+    itself refuses."""
+    if not all(isinstance(x, torch.Tensor) and x.is_floating_point() for x in (q, k, v)):
+        return None
+    device_type = q.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return None if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.get_autocast_dtype(device_type)
+
+
+def _one_op_under_autocast(function: Callable) -> Callable:
+    """Under autocast, `function(q, k, v, ...)` is one operation, as autocast treats SDPA: q, k, v are
+    cast to autocast's dtype, and the body runs with autocast off, so that the fused kernels read that
+    dtype (bfloat16, not the float32 in which q and k leave RoPE) and the PyTorch forms compute in float32
+    as they do outside autocast (autocast would run their products in bfloat16)."""
+
+    @functools.wraps(function)
+    def one_op(q, k, v, *args, **kwargs):
+        dtype = _autocast_dtype(q, k, v)
+        if dtype is None:
+            return function(q, k, v, *args, **kwargs)
+        with torch.autocast(q.device.type, enabled=False):
+            return function(q.to(dtype), k.to(dtype), v.to(dtype), *args, **kwargs)
+
+    return one_op
+
+
+@_one_op_under_autocast
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -326,7 +357,8 @@ def attention(
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
-        return_state)`.
+        return_state)`. The output has the promoted dtype of q, k and v; under autocast, autocast's
+        dtype (q, k, v are read in it, as autocast runs SDPA, and autocast is off inside).
     """
     if not isinstance(spec, AttentionSpec) and type(spec).__name__ == AttentionSpec.__name__:
         spec = AttentionSpec.from_dict(spec.to_dict())  # another copy of this module (remote code loads one)
@@ -337,7 +369,7 @@ def attention(
     spec = AttentionSpec.coerce(spec)
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
-    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)  # autocast: fp32 q, k, bf16 v
+    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = q.to(common), k.to(common), v.to(common)
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
@@ -372,6 +404,7 @@ def attention(
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
     needs_state = mode != "parallel" and return_state
     fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
+    caller_qkv = (q, k, v)
     if fused is None:  # a fused kernel reads the caller's dtype (bf16 for a bf16 model) and accumulates in fp32
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
@@ -416,7 +449,8 @@ def attention(
                 sinks=spec.sinks,
                 kept=spec.kept,
             )
-        augmented_v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * key_mask.to(compute_dtype)[:, None, :, None]
+        weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
+        augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already)
         augmented, new_state = _finite_state(
             grouped_q,
             k,
@@ -431,7 +465,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
-            window_fused=window_fused,
+            flex_inputs=caller_qkv if window_fused == "flex" else None,
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)
@@ -467,7 +501,7 @@ def _finite_state(
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
-    window_fused: str | None = None,
+    flex_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -476,9 +510,10 @@ def _finite_state(
     the sinks' values are zeroed on their way into the finite state and the exact part also
     reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
     decays the finite state at each new position before the key that enters there is added.
-    With `window_fused` "flex" (an empty buffer and no state wanted back, see `ops.backends`) the
-    exact part, sinks included, runs in FlexAttention. One recurrent step of a hybrid (decoding) takes
-    `ops.window_step`, the same result in fewer operations."""
+    With `flex_inputs` (the caller's q `[B, H, L, D]`, k and v; given where `ops.backends` picks "flex":
+    an empty buffer and no state wanted back) the exact part, sinks included, runs in FlexAttention.
+    One recurrent step of a hybrid (decoding) takes `ops.window_step`, the same result in fewer
+    operations."""
     if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
         return window_hybrid_step(
             q, k, augmented_v, key_mask, state, kernel, spec, window_scale, linear_log_scale, in_place, log_decay
@@ -504,7 +539,7 @@ def _finite_state(
         new_state.window_keys = keys[..., -spec.window :, :].clone()
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
-        if window_fused != "flex":
+        if flex_inputs is None:
             query_valid = key_mask if spec.kept is not None else None
             exact, row_max, *saliency = banded_exp_attention(
                 q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
@@ -533,10 +568,8 @@ def _finite_state(
     new_state.packed = packed
     if spec.window is None:
         return linear, new_state
-    if window_fused == "flex":
-        exact_and_linear = _flex_window_hybrid(
-            q, k, augmented_v, key_mask, linear, window_scale, spec, linear_log_scale, io_dtype
-        )
+    if flex_inputs is not None:
+        exact_and_linear = _flex_window_hybrid(*flex_inputs, key_mask, linear, window_scale, spec, linear_log_scale)
         return exact_and_linear, new_state
     if spec.sinks is not None:
         old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
@@ -587,21 +620,19 @@ def _kept_part(q, keys, leaving_values, ranks, candidates, saliency, exact, row_
     return selection.keys, selection.values, exact, row_max
 
 
-def _flex_window_hybrid(q, k, augmented_v, key_mask, linear, scale, spec, log_scale, io_dtype) -> torch.Tensor:
-    """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state, its exact part
-    (window and sinks) in FlexAttention (read in `io_dtype`) and `linear` (`[B, Hkv, G, L, Dv + 1]`)
-    beyond them."""
-    batch, kv_heads, groups, length, head_dim = q.shape
-    io_dtype = io_dtype or q.dtype
+def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale) -> torch.Tensor:
+    """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state: its exact part
+    (window and sinks) in FlexAttention, which reads the caller's q `[B, H, L, D]`, k and v (zero at
+    padding) in the caller's dtype, and `linear` (`[B, Hkv, G, L, Dv + 1]`) beyond them."""
     out, lse = flex_window_attention(
-        q.reshape(batch, kv_heads * groups, length, head_dim).to(io_dtype).contiguous(),
-        k.to(io_dtype).contiguous(),
-        augmented_v[..., :-1].to(io_dtype).contiguous(),  # (rows of Dv + 1 values are misaligned)
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
         key_mask,
         scale,
         spec.window,
         sinks=spec.sinks or 0,
         compiled=q.is_cuda,
     )
-    combined = combine_window_and_linear(out, lse, linear.reshape(batch, kv_heads * groups, length, -1), log_scale)
+    combined = combine_window_and_linear(out, lse, linear.reshape(*q.shape[:3], -1), log_scale)
     return combined.view(linear.shape)

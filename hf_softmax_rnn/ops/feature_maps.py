@@ -40,6 +40,9 @@ class ElementwiseKernel(FeatureKernel):
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
         return self.function(q) * self.scale
 
+    def query_features_and_factor(self, q: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return self.function(q), self.scale
+
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         return self.function(k)
 
@@ -71,6 +74,9 @@ class CosineKernel(FeatureKernel):
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
         return F.normalize(q, dim=-1, eps=self.eps) * self.scale
 
+    def query_features_and_factor(self, q: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return F.normalize(q, dim=-1, eps=self.eps), self.scale
+
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         return F.normalize(k, dim=-1, eps=self.eps)
 
@@ -91,8 +97,12 @@ class HedgehogKernel(FeatureKernel):
         return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
+        features, factor = self.query_features_and_factor(q)
+        return features * factor
+
+    def query_features_and_factor(self, q: torch.Tensor) -> tuple[torch.Tensor, float]:
         weight = self.learned[0]
-        return self._map(q, weight.view(q.shape[1], q.shape[2], *weight.shape[1:])) * self.scale
+        return self._map(q, weight.view(q.shape[1], q.shape[2], *weight.shape[1:])), self.scale
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         return self._map(k, self.learned[1])

@@ -4,7 +4,8 @@ Same contract as `ops.linear.chunked_linear_attention` (which is its reference):
 `[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v `[B, Hkv, L, Dv + 1]` (values, then a
 weight column: 1 at a token, 0 at padding), state `[B, Hkv, F, Dv + 1]` (S, then z). The
 features are computed here in float32 (so learned maps such as hedgehog get their gradients
-through autograd). The numerator goes to `chunk_simple_gla` (no decay, scale 1) with the
+through autograd). The numerator goes to `chunk_simple_gla` (no decay, the kernel's query scale as its
+`scale`, so that the query features are not multiplied by it in a pass of their own) with the
 features in the caller's dtype (bfloat16 for a bfloat16 model); fla accumulates in float32, and
 the state stays in the compute dtype (float32 or float64). The denominator
 phi(q_t).(z_0 + sum_{s<=t} w_s phi(k_s)) is a cumulative sum beside it, as fla's own normalised
@@ -68,14 +69,14 @@ def fla_chunked_linear_attention(
     # with a decay the weight column goes through fla with the values (z decays with S); without, z is
     # a cumulative sum beside it and fla reads the values alone
     carried = width if log_decay is not None else width - 1
-    phi_q, phi_k = kernel.query_features(q), kernel.key_features(k).to(io_dtype)
-    fla_q = _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype)
+    (phi_q, factor), phi_k = kernel.query_features_and_factor(q), kernel.key_features(k).to(io_dtype)
+    fla_q = _time_major(phi_q.reshape(batch, heads, length, -1), io_dtype)  # phi(q) / factor: fla multiplies
     out, final = chunk_function(
         fla_q,
         _time_major(phi_k, io_dtype, group),
         _time_major(v[..., :carried], io_dtype, group),
         g=None if log_decay is None else log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # (fp32)
-        scale=1.0,
+        scale=factor,
         initial_state=_even(_even(state[..., :carried].repeat_interleave(group, dim=1), -1), -2).contiguous(),
         output_final_state=True,
     )
@@ -88,7 +89,7 @@ def fla_chunked_linear_attention(
     weighted_k = phi_k * v[..., -1:].to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
     running_z = state[..., None, :, -1] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
     grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
-    denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True)  # in the state's dtype
+    denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True) * factor  # in the state's dtype
     final_state = torch.cat([final_state, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
     return torch.cat([numerator, denominator], dim=-1), final_state  # (cat converts fla's dtype to the state's)
 

@@ -133,4 +133,4 @@ def combine_window_and_linear(
     exponent = (log_scale.to(shift.dtype)[:, None] - shift).clamp_max(MAX_MIX_EXPONENT)
     weight = torch.exp(exponent)[..., None]
     exact = torch.cat([window_out, finite[..., None].to(window_out.dtype)], dim=-1)
-    return exact.to(linear.dtype) + weight.to(linear.dtype) * linear
+    return torch.addcmul(exact, weight.to(linear.dtype), linear)  # in linear's dtype, one pass

@@ -96,6 +96,11 @@ class FeatureKernel:
         """phi(k) `[B, Hkv, L, D] -> [B, Hkv, L, F]`."""
         raise NotImplementedError
 
+    def query_features_and_factor(self, q: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(phi(q) / c, c) with (phi(q) / c) * c = `query_features(q)`: a caller that multiplies by c later
+        (a fused kernel's own scale) saves a pass over the features. c = 1 unless a kernel says otherwise."""
+        return self.query_features(q), 1.0
+
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Unmasked, unclamped k(q_t, k_s) `[B, Hkv, G, Lq, Lk]`."""
         return grouped_matmul(self.query_features(q), self.key_features(k).mT)

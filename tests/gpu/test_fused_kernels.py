@@ -118,3 +118,24 @@ def test_triton_taylor_path_matches_float64_reference(name, dtype, pad, mode, mo
     monkeypatch.setattr(triton_taylor, "taylor2_attention", counted)
     _compare(quiet_preset(name), dtype, pad, mode, split=None)
     assert calls == [dtype]
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "hedgehog_window_64"])
+def test_under_bfloat16_autocast_fla_reads_bfloat16_and_matches_float64(name, fla_calls):
+    """float32 q, k and bfloat16 v (as RoPE and the projections leave them under autocast): fla reads
+    bfloat16, the output is bfloat16 and within the bfloat16 tolerance of the float64 reference, gradients
+    included."""
+    spec = quiet_preset(name)
+    cpu, gpu, params_cpu, params_gpu = _leaves(spec, torch.float32)
+    gpu[2] = gpu[2].detach().bfloat16().requires_grad_()
+    weights = torch.linspace(-1, 1, HEAD_DIM, dtype=torch.float64)
+    with backends.fused_kernels(False):
+        reference, _ = attention(*cpu, spec, mode="parallel", params=as_params(params_cpu))
+    reference_grads = torch.autograd.grad((reference * weights).sum(), cpu)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _ = attention(*gpu, spec, mode="chunked", params=as_params(params_gpu), return_state=False)
+    assert out.dtype == torch.bfloat16 and {called for called, _ in fla_calls} == {torch.bfloat16}
+    grads = torch.autograd.grad((out.float() * weights.float().cuda()).sum(), gpu)
+    assert _relative_error(out, reference) < TOLERANCE[torch.bfloat16]
+    for name_, got, want in zip("qkv", grads, reference_grads):
+        assert _relative_error(got, want) < 2 * TOLERANCE[torch.bfloat16], f"d{name_}"

@@ -77,6 +77,30 @@ def test_kernel_choice(spec, expected):
     assert kernel.hand_written == (expected in (TaylorKernel, ElementwiseKernel))
 
 
+FEATURE_MAPS = {
+    **KERNEL_SPECS,
+    "cosine": AttentionSpec(kind="linear", feature_map="cosine"),
+    "hedgehog": AttentionSpec(kind="linear", feature_map="hedgehog"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_query_features_split_from_their_factor_multiply_back_to_the_query_features(name):
+    """(phi(q) / c, c): what fla reads with c as its own scale; c is the q.k scale where the map multiplies
+    phi(q) by it, else 1."""
+    spec = FEATURE_MAPS[name]
+    generator = torch.Generator().manual_seed(0)
+    weights = AttentionParams(
+        hedgehog_q=torch.randn(2, 6, 6, generator=generator, dtype=torch.float64),
+        hedgehog_k=torch.randn(1, 6, 6, generator=generator, dtype=torch.float64),
+    )
+    kernel = build_kernel(spec, 0.3, weights)
+    q = torch.randn(2, 1, 2, 5, 6, generator=generator, dtype=torch.float64)
+    features, factor = kernel.query_features_and_factor(q)
+    torch.testing.assert_close(features * factor, kernel.query_features(q), rtol=1e-12, atol=0)
+    assert factor == (1.0 if name.startswith("taylor") else 0.3)
+
+
 def test_float32_gradients_over_many_chunks():
     """The backward rewinds the state chunk by chunk (S_{c-1} = S_c - phi(k_c)^T v_c) from a
     float64 copy, so over 256 chunks the float32 gradients of the first positions stay as close

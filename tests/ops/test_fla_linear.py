@@ -7,16 +7,14 @@ hybrids' older part and the gradients that reach learned feature maps. tests/gpu
 comparison with fla's own kernel on CUDA.
 """
 
-import contextlib
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_softmax_rnn.ops import RecurrentState, attention, backends
 from hf_softmax_rnn.ops.fla_linear import chunk_in_segments, chunk_simple_gla_reference
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
+from .kernel_stand_ins import WrittenBytes, saved_bytes, use_stand_ins
 
 FLA_SPECS = sorted(
     name
@@ -105,77 +103,12 @@ def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
             torch.testing.assert_close(got, want, **TOL)
 
 
-class _WrittenBytes(TorchDispatchMode):
-    """Counts the bytes the operations write (views write none), except inside the fla stand-in."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes, self.paused = 0, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.paused and not func.is_view:
-            outputs = out if isinstance(out, (tuple, list)) else [out]
-            self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
-        return out
-
-
-_counter: list[_WrittenBytes] = []
-
-
-@contextlib.contextmanager
-def _inside_fla():
-    """Pause the written-bytes count while the stand-in stands for fla's kernels."""
-    for counter in _counter:
-        counter.paused = True
-    try:
-        yield
-    finally:
-        for counter in _counter:
-            counter.paused = False
-
-
-class _FlaStandIn(torch.autograd.Function):
-    """fla's `chunk_simple_gla` as autograd sees it: the float64 statement's values, and q, k, v and the
-    initial state kept for the backward pass (fla recomputes the rest there)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, initial_state):
-        ctx.save_for_backward(q, k, v, initial_state)
-        with _inside_fla():
-            return chunk_simple_gla_reference(q, k, v, initial_state=initial_state)
-
-    @staticmethod
-    def backward(ctx, d_out, d_final):
-        q, k, v, initial_state = ctx.saved_tensors
-        with _inside_fla(), torch.enable_grad():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v, initial_state)]
-            outputs = chunk_simple_gla_reference(*leaves[:3], initial_state=leaves[3])
-            return torch.autograd.grad(outputs, leaves, (d_out, d_final))
-
-
-def _saved_bytes(function) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of `function()`."""
-    storages = {}
-
-    def pack(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        function()
-    return sum(storages.values())
-
-
 def test_bfloat16_through_fla_keeps_little_beside_fla_and_matches_the_pytorch_form(monkeypatch):
     """SmolLM2's heads (9 query, 3 KV, 64 wide) in bfloat16: beside what fla keeps (its q, k, v), the
     PyTorch around it keeps under 7,000 bytes per token for the backward pass (the float32 features of
     the queries once, not twice, and not all of the augmented values for their weight column), and its
     outputs are the PyTorch form's to bfloat16 rounding."""
-    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(backends, "fla_chunk_function", lambda: lambda q, k, v, *, initial_state, **_: (
-        _FlaStandIn.apply(q, k, v, initial_state)
-    ))  # fmt: skip
+    use_stand_ins(monkeypatch)
     spec, length = FINITE_SPECS["linear_elu"], 1024
     q, k, v, _ = make_inputs(batch=1, heads=9, kv_heads=3, length=length, head_dim=64, dtype=torch.bfloat16)
     leaves = [x.requires_grad_() for x in (q, k, v)]
@@ -186,32 +119,24 @@ def test_bfloat16_through_fla_keeps_little_beside_fla_and_matches_the_pytorch_fo
             outputs[fused], _ = attention(*leaves, spec, mode="chunked", return_state=False)
 
     kept_by_fla = 3 * 9 * 64 * 2  # bytes per token: q, k and v repeated to 9 heads of 64, bfloat16
-    assert _saved_bytes(lambda: run(True)) / length - kept_by_fla < 7000
+    assert saved_bytes(lambda: run(True)) / length - kept_by_fla < 7000
     run(False)
     torch.testing.assert_close(outputs[True].float(), outputs[False].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_bfloat16_through_fla_writes_little_beside_fla(monkeypatch):
-    """SmolLM2's heads in bfloat16, forward and backward: the PyTorch around fla writes under 75,000 bytes
+    """SmolLM2's heads in bfloat16, forward and backward: the PyTorch around fla writes under 66,000 bytes
     per token (features, layouts, the denominator, the normaliser and their gradients; fla's own
     outputs and gradients not counted; about 89,000 when the heads were repeated before converting,
-    laid out in two copies, the normaliser divided and the augmented output sliced apart)."""
-    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(backends, "fla_chunk_function", lambda: lambda q, k, v, *, initial_state, **_: (
-        _FlaStandIn.apply(q, k, v, initial_state)
-    ))  # fmt: skip
+    laid out in two copies, the normaliser divided and the augmented output sliced apart, and 68,900
+    when the query features were multiplied by the scale in a pass of their own rather than by fla)."""
+    use_stand_ins(monkeypatch)
     length = 1024
     q, k, v, _ = make_inputs(batch=1, heads=9, kv_heads=3, length=length, head_dim=64, dtype=torch.bfloat16)
-    counter = _WrittenBytes()
-    _counter.append(counter)
-    try:
-        with counter:
-            out, _ = attention(*(x.requires_grad_() for x in (q, k, v)), "linear_elu", mode="chunked",
-                               return_state=False)  # fmt: skip
-            out.float().sum().backward()
-    finally:
-        _counter.remove(counter)
-    assert counter.bytes / length < 75_000, counter.bytes / length
+    with WrittenBytes() as counter:
+        out, _ = attention(*(x.requires_grad_() for x in (q, k, v)), "linear_elu", mode="chunked", return_state=False)
+        out.float().sum().backward()
+    assert counter.bytes / length < 66_000, counter.bytes / length
 
 
 #: segment length -> (segments, their length): equal segments, a multiple of gcd(length, 64), padded.

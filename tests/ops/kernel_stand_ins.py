@@ -1,0 +1,135 @@
+"""Stand-ins for the fused GPU kernels (fla's `chunk_simple_gla`, FlexAttention) that keep what the
+kernels keep for the backward pass, and counters of the bytes the PyTorch around them writes and keeps.
+
+A stand-in computes the kernel's values with its float64 statement; while it runs, the written-bytes
+count is paused, so that a count is what this package adds around the kernels, forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_softmax_rnn.ops import backends
+from hf_softmax_rnn.ops.fla_linear import chunk_simple_gla_reference
+from hf_softmax_rnn.ops.flex_window import window_attention_reference
+
+
+class WrittenBytes(TorchDispatchMode):
+    """Counts the bytes the operations write (views write none), except inside a kernel stand-in."""
+
+    active: list[WrittenBytes] = []
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.paused = 0, False
+
+    def __enter__(self):
+        WrittenBytes.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        WrittenBytes.active.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused and not func.is_view:
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
+        return out
+
+
+@contextlib.contextmanager
+def inside_kernel():
+    """Pause the written-bytes counts while a stand-in stands for a fused kernel."""
+    for counter in WrittenBytes.active:
+        counter.paused = True
+    try:
+        yield
+    finally:
+        for counter in WrittenBytes.active:
+            counter.paused = False
+
+
+def saved_bytes(function) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of `function()`."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return sum(storages.values())
+
+
+class FlaStandIn(torch.autograd.Function):
+    """fla's `chunk_simple_gla` as autograd sees it: the float64 statement's values, and q, k, v and the
+    initial state kept for the backward pass (fla recomputes the rest there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, scale):
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.scale = scale
+        with inside_kernel():
+            return chunk_simple_gla_reference(q, k, v, scale=scale, initial_state=initial_state)
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        q, k, v, initial_state = ctx.saved_tensors
+        with inside_kernel(), torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, initial_state)]
+            outputs = chunk_simple_gla_reference(*leaves[:3], scale=ctx.scale, initial_state=leaves[3])
+            return *torch.autograd.grad(outputs, leaves, (d_out, d_final)), None
+
+    @staticmethod
+    def chunk_function(q, k, v, *, initial_state, scale, **_):
+        """The stand-in with `chunk_simple_gla`'s keywords (no decay)."""
+        return FlaStandIn.apply(q, k, v, initial_state, scale)
+
+
+class FlexStandIn(torch.autograd.Function):
+    """`ops.flex_window.flex_window_attention` as autograd sees the compiled kernel: the dense reference's
+    (o_w in q's dtype, l_w float32), and q, k, v, o_w and l_w kept for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_valid, scale, window, sinks):
+        with inside_kernel():
+            out, lse = window_attention_reference(q, k, v, key_valid, scale, window, sinks)
+            out, lse = out.to(q.dtype), lse.float()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.arguments = (key_valid, scale, window, sinks)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        with inside_kernel(), torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out, lse = window_attention_reference(*leaves, *ctx.arguments)
+            grads = torch.autograd.grad((out.to(q.dtype), lse.float()), leaves, (d_out, d_lse))
+        return *grads, None, None, None, None
+
+    @staticmethod
+    def window_function(q, k, v, key_valid, scale, window, sinks=0, compiled=True):
+        """The stand-in with `flex_window_attention`'s arguments; records what it reads."""
+        FlexStandIn.read.append((q, k, v))
+        return FlexStandIn.apply(q, k, v, key_valid, scale, window, sinks)
+
+    read: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+def use_stand_ins(monkeypatch, flex: bool = False) -> None:
+    """CPU calls take the fused paths with the stand-ins in place of fla's kernel (and of FlexAttention)."""
+    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(backends, "fla_chunk_function", lambda: FlaStandIn.chunk_function)
+    if flex:
+        monkeypatch.setattr(backends, "triton_available", lambda: True)
+        monkeypatch.setattr(FlexStandIn, "read", [])
+        ops_attention = importlib.import_module("hf_softmax_rnn.ops.attention")
+        monkeypatch.setattr(ops_attention, "flex_window_attention", FlexStandIn.window_function)
