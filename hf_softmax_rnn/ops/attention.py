@@ -26,6 +26,8 @@ from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_wei
 from hf_softmax_rnn.ops.window_step import window_hybrid_step
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: The dtypes `attention` returns (`io_dtype`).
+_IO_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -296,10 +298,10 @@ def _autocast_dtype(q, k, v) -> torch.dtype | None:
 
 
 def _one_op_under_autocast(function: Callable) -> Callable:
-    """Under autocast, `function(q, k, v, ...)` is one operation, as autocast treats SDPA: q, k, v are
-    cast to autocast's dtype, and the body runs with autocast off, so that the fused kernels read that
-    dtype (bfloat16, not the float32 in which q and k leave RoPE) and the PyTorch forms compute in float32
-    as they do outside autocast (autocast would run their products in bfloat16)."""
+    """Under autocast, `function(q, k, v, ..., io_dtype=None)` is one operation, as autocast treats SDPA:
+    its `io_dtype` (unless given) is autocast's dtype, and the body runs with autocast off, so that the
+    fused kernels read that dtype (bfloat16, not the float32 in which q and k leave RoPE) and the PyTorch
+    forms compute in float32 as they do outside autocast (autocast would run their products in bfloat16)."""
 
     @functools.wraps(function)
     def one_op(q, k, v, *args, **kwargs):
@@ -307,7 +309,7 @@ def _one_op_under_autocast(function: Callable) -> Callable:
         if dtype is None:
             return function(q, k, v, *args, **kwargs)
         with torch.autocast(q.device.type, enabled=False):
-            return function(q.to(dtype), k.to(dtype), v.to(dtype), *args, **kwargs)
+            return function(q, k, v, *args, **{**kwargs, "io_dtype": kwargs.get("io_dtype") or dtype})
 
     return one_op
 
@@ -328,6 +330,7 @@ def attention(
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
     return_state: bool = True,
     update_state_in_place: bool = False,
+    io_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -355,10 +358,14 @@ def attention(
         update_state_in_place: recurrent mode without autograd (decoding): the finite-state part
             of `state` is updated in place and the returned state holds the same tensor.
 
+        io_dtype: the dtype of the output, which the fused kernels (and SDPA, for exact softmax) read;
+            None: the promoted dtype of q, k and v, or autocast's dtype under autocast (as autocast
+            runs SDPA; autocast is off inside). The PyTorch forms compute in the promoted dtype of
+            q, k and v, float32 at least, whatever `io_dtype` is.
+
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
-        return_state)`. The output has the promoted dtype of q, k and v; under autocast, autocast's
-        dtype (q, k, v are read in it, as autocast runs SDPA, and autocast is off inside).
+        return_state)`.
     """
     if not isinstance(spec, AttentionSpec) and type(spec).__name__ == AttentionSpec.__name__:
         spec = AttentionSpec.from_dict(spec.to_dict())  # another copy of this module (remote code loads one)
@@ -369,8 +376,11 @@ def attention(
     spec = AttentionSpec.coerce(spec)
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
-    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = q.to(common), k.to(common), v.to(common)
+    if io_dtype is not None and io_dtype not in _IO_DTYPES:
+        raise ValueError(f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(_IO_DTYPES)}")
+    promoted = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    out_dtype = promoted if io_dtype is None else io_dtype
+    q, k, v = q.to(promoted), k.to(promoted), v.to(promoted)
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
             f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "
@@ -394,19 +404,19 @@ def attention(
     if log_decay is not None:
         log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
-        return q.new_zeros(batch, heads, 0, value_dim), state if mode != "parallel" else None
+        return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
 
     if spec.kind == "softmax":
+        q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         return softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale), None
 
-    out_dtype = q.dtype
-    compute_dtype = torch.float32 if out_dtype in _HALF_DTYPES else out_dtype
+    compute_dtype = torch.float32 if promoted in _HALF_DTYPES else promoted
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
     needs_state = mode != "parallel" and return_state
     fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
-    caller_qkv = (q, k, v)
-    if fused is None:  # a fused kernel reads the caller's dtype (bf16 for a bf16 model) and accumulates in fp32
-        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    promoted_qkv = (q, k, v)
+    target = compute_dtype if fused is None else out_dtype  # a fused kernel reads io_dtype
+    q, k, v = q.to(target), k.to(target), v.to(target)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
 
     new_state, log_shift = None, None
@@ -465,7 +475,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
-            flex_inputs=caller_qkv if window_fused == "flex" else None,
+            flex_inputs=tuple(x.to(out_dtype) for x in promoted_qkv) if window_fused == "flex" else None,
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)

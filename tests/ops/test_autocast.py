@@ -1,10 +1,10 @@
-"""Attention under autocast is one operation, as autocast treats `scaled_dot_product_attention`: q, k
-and v are read in autocast's dtype and the body runs with autocast off.
+"""Attention under autocast is one operation, as autocast treats `scaled_dot_product_attention`: its
+output, and what the fused kernels read, is in autocast's dtype, and the body runs with autocast off.
 
 Under bfloat16 autocast with float32 weights, q and k leave RoPE in float32 and v leaves its projection
-in bfloat16. Read in their promoted dtype (float32), the fused kernels would run in float32 and the
-output would be float32; read in bfloat16, they run as in a bfloat16 model, and the PyTorch forms still
-compute in float32 (autocast would have run their products in bfloat16).
+in bfloat16. In their promoted dtype (float32), the fused kernels would run in float32 and the output
+would be float32; in bfloat16 they run as in a bfloat16 model, and the PyTorch forms still compute in
+float32 (autocast would have run their products in bfloat16).
 """
 
 import pytest
@@ -37,16 +37,36 @@ def _call(name: str, mode: str, q, k, v, gate_logits, window: int = 3):
 
 
 @pytest.mark.parametrize(("name", "mode"), PARAMS)
-def test_under_autocast_the_output_is_the_call_on_inputs_cast_to_autocast_s_dtype(name, mode):
-    """float32 q, k and bfloat16 v (as RoPE leaves them) under bfloat16 autocast: a bfloat16 output equal
-    to the call on q, k, v cast to bfloat16 outside autocast (float32 inside, bfloat16 products nowhere)."""
+def test_under_autocast_the_output_is_the_float32_result_in_autocast_s_dtype(name, mode):
+    """float32 q, k and bfloat16 v (as RoPE leaves them) under bfloat16 autocast: the PyTorch forms compute
+    in float32 (no bfloat16 products) and return in bfloat16; exact softmax runs SDPA on bfloat16 inputs,
+    as autocast runs it."""
     q, k, v, gate_logits = make_inputs(length=9, dtype=torch.float32)
     v = v.bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _call(name, mode, q, k, v, gate_logits)
-    want = _call(name, mode, q.bfloat16(), k.bfloat16(), v, gate_logits)
+    if name == "softmax":
+        want = _call(name, mode, q.bfloat16(), k.bfloat16(), v, gate_logits)
+    else:
+        want = _call(name, mode, q, k, v.float(), gate_logits).bfloat16()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_io_dtype_sets_the_output_dtype_outside_autocast_as_autocast_does_inside():
+    q, k, v, _ = make_inputs(length=9, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast, _ = attention(q, k, v, "linear_elu", mode="chunked")
+    given, _ = attention(q, k, v, "linear_elu", mode="chunked", io_dtype=torch.bfloat16)
+    assert given.dtype == torch.bfloat16
+    torch.testing.assert_close(given, under_autocast, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [torch.int32, torch.complex64, "bfloat16"], ids=str)
+def test_a_bad_io_dtype_is_refused_with_its_value_and_the_allowed_ones(bad):
+    q, k, v, _ = make_inputs(length=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"io_dtype=.*not allowed.*torch.bfloat16"):
+        attention(q, k, v, "linear_elu", mode="chunked", io_dtype=bad)
 
 
 def test_float64_inputs_are_left_alone_by_autocast():
@@ -59,16 +79,18 @@ def test_float64_inputs_are_left_alone_by_autocast():
 
 
 def test_gradients_reach_float32_inputs_through_autocast():
+    """The gradients of q, k, v are those of the float32 computation (float32 leaves, float32 gradients)."""
     q, k, v, _ = make_inputs(length=7, dtype=torch.float32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = attention(q, k, v, "linear_elu", mode="chunked")
-    out.float().square().sum().backward()
-    leaves = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
+    weights = torch.randn(out.shape)
+    (out.float() * weights).sum().backward()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     want, _ = attention(*leaves, "linear_elu", mode="chunked")
-    want.float().square().sum().backward()
+    (want.bfloat16().float() * weights).sum().backward()
     for got_leaf, want_leaf in zip((q, k, v), leaves):
         assert got_leaf.grad.dtype == torch.float32
-        torch.testing.assert_close(got_leaf.grad, want_leaf.grad.float(), rtol=0, atol=0)
+        torch.testing.assert_close(got_leaf.grad, want_leaf.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["linear_elu", "hedgehog_window_64"])
