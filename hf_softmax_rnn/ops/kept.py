@@ -19,13 +19,15 @@ a re-ordered stream of keys (with a decay, a key decays from its own entry step)
 - `rank_scores`: the rank of each key from its saliency and its predecessor's.
 - `kept_schedule`: the parallel (L x L) form, the reference of the others: the kept mask and
   each key's entry step, from all rank scores at once.
-- `select_kept`: the chunked and recurrent form, block by block over the steps of a call: a block
-  of C steps ranks the N <= K + C candidates (the kept slots in use and its C leaving keys) by one
-  sort and counts, for each step, the arrived candidates above each one (`_outranked`; the pairwise
-  comparison `_ranks_above` is its reference), so time and memory are O(L N) for L steps (and a
-  sort of N per block), and the K keys, values, rank scores and positions are the state. Slots that
-  cannot hold a kept key yet are left out (a call that starts empty compares at most the keys that
-  have left its window so far, not K), and put back as empty slots at the end.
+- `select_kept`: the chunked form, every step of a call at once. A key stays kept until K valid keys
+  that rank above it have arrived, so one sort of the call's keys (and the K kept before it) by rank,
+  and counts over that order at the end of each block of C steps and then within a block, give each
+  key the step at which it leaves the kept set (`_exit_steps`, no autograd; O((K + L)(L / C + C))
+  memory). The exact part of each block of C queries then scores the keys kept at the block's start
+  and its C leaving keys, all blocks in one batched product; the key entering the finite state at a
+  step is the one whose exit step it is. A few hundred operations per call whatever its length (on a
+  GPU, kernel launches), and no read back from the device. The K keys, values, rank scores and
+  positions are the state, the kept keys first, in the order they arrived.
 - `kept_step`: one step (decoding) in fewer operations, the same sets: the leaving key takes the
   weakest slot when it ranks above it (`ops.window_step` scores the kept keys with the window's).
 
@@ -38,8 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from hf_softmax_rnn.ops.window import masked_exp_part
+from hf_softmax_rnn.ops.kernels import row_shift
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -118,7 +121,13 @@ def select_kept(
     scale: float,
     block: int,
 ) -> KeptSelection:
-    """The kept keys of each step of a call, block by block.
+    """The kept keys of each step of a call, every step at once.
+
+    The pool is the K kept keys before the call (arrived at step -1) and the L keys that leave the window
+    during it (key r at step r). `_exit_steps` gives each pool key the step at which it stops being kept
+    (without autograd); key j is then kept at step t when it is a candidate, arrived_j <= t < exit_j, and
+    enters the finite state at exit_j. The exact part of the queries of each block of C steps scores the
+    keys kept at the block's start and its C leaving keys, all blocks in one batched product.
 
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`; the query of step r sees the keys kept after key r left.
@@ -129,86 +138,138 @@ def select_kept(
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
         scale: multiplier of q.k; block: steps per block C.
     """
+    batch, kv_heads, groups, length, head_dim = q.shape
     kept = buffers[0].shape[2]
-    slots_after = _slots_in_use(buffers[4], candidate, kept)
-    keys, values, scores, positions, valid = (x[:, :, : slots_after[0]] for x in buffers)
-    kv_heads, length = q.shape[1], q.shape[3]
-    entering_keys, entering_values, numerators, maxima = [], [], [], []
-    for start in range(0, length, block):
-        steps = slice(start, min(start + block, length))
-        size, slots = steps.stop - start, keys.shape[2]
-        cand_keys = torch.cat([keys, leaving_keys[..., steps, :]], dim=2)
-        cand_values = torch.cat([values, leaving_values[..., steps, :]], dim=2)
-        cand_scores = torch.cat([scores, leaving_scores[..., steps]], dim=2)
-        cand_positions = torch.cat([positions, leaving_positions[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
-        cand_valid = torch.cat([valid, candidate[:, None, steps].expand(-1, kv_heads, -1)], dim=2)
-        arrival = torch.cat(
-            [torch.full((slots,), -1, device=q.device), torch.arange(size, device=q.device)]
-        )  # the step of the block from which a candidate has left the window
-        arrived = arrival[None, :] <= torch.arange(size, device=q.device)[:, None]  # [C, N]
-        # candidates arrived by step c that rank above j: every slot, and the leaving keys up to c
-        outranked = _outranked(cand_scores, cand_positions, cand_valid, arrival, size)  # [B, Hkv, C, N]
-        is_kept = cand_valid[:, :, None, :] & arrived & (outranked < kept)  # [B, Hkv, C, N]
-        before = torch.cat([(cand_valid & (arrival < 0))[:, :, None, :], is_kept[:, :, :-1]], dim=2)
-        arriving = arrival[None, :] == torch.arange(size, device=q.device)[:, None]
-        enters = (cand_valid[:, :, None, :] & arrived & ~is_kept & (before | arriving)).to(q.dtype)
-        entering_keys.append(enters @ cand_keys)
-        entering_values.append(enters @ cand_values)
-        numerator, row_max = masked_exp_part(q[..., steps, :], cand_keys, cand_values, is_kept[:, :, None], scale)
-        numerators.append(numerator)
-        maxima.append(row_max)
-        # the kept keys first, so the slots in use after the block hold them all
-        order = torch.argsort((~is_kept[:, :, -1]).to(torch.uint8), dim=-1, stable=True)
-        order = order[..., : slots_after[steps.stop]]
-        keys, values = (
-            cand_keys.gather(2, order[..., None].expand(-1, -1, -1, cand_keys.shape[-1])),
-            cand_values.gather(2, order[..., None].expand(-1, -1, -1, cand_values.shape[-1])),
-        )
-        scores, positions = cand_scores.gather(2, order), cand_positions.gather(2, order)
-        valid = is_kept[:, :, -1].gather(2, order)
-    empty = kept - keys.shape[2]
-    keys, values, scores, positions, valid = (
-        torch.nn.functional.pad(x, (0, 0, 0, empty) if x.dim() == 4 else (0, empty))
-        for x in (keys, values, scores, positions, valid)
-    )
+    block = max(1, min(block, length))
+    blocks = -(-length // block)
+    keys = torch.cat([buffers[0], leaving_keys], dim=2)  # the pool [B, Hkv, P = K + L, ...]
+    values = torch.cat([buffers[1], leaving_values], dim=2)
+    scores = torch.cat([buffers[2], leaving_scores], dim=2)
+    positions = torch.cat([buffers[3], leaving_positions[:, None, :].expand(-1, kv_heads, -1)], dim=2)
+    valid = torch.cat([buffers[4], candidate[:, None, :].expand(-1, kv_heads, -1)], dim=2)
+    pool = torch.arange(kept + length, device=q.device)
+    arrival = pool - kept
+    arrival[:kept] = -1
+    with torch.no_grad():
+        exits = _exit_steps(scores, positions, valid, arrival, kept, block, length)
+    steps = torch.arange(blocks * block, device=q.device).view(blocks, block)
+    # each block's candidates: the keys kept at its start (compacted into K slots) and its own C keys
+    starts = steps[:, :1] - 1  # [blocks, 1]: the step before each block
+    held = valid[:, :, None, :] & (arrival <= starts) & (exits[:, :, None, :] > starts)  # [B, Hkv, blocks, P]
+    slot_order = torch.where(held, -pool.float(), float("-inf")).topk(kept, dim=-1)  # kept keys in pool order
+    own = (kept + steps).clamp_max(kept + length - 1).expand(batch, kv_heads, -1, -1)
+    index = torch.cat([slot_order.indices, own], dim=-1)  # [B, Hkv, blocks, N = K + C]
+    is_candidate = torch.cat([slot_order.values > float("-inf"), valid.gather(-1, own.flatten(2)).view(own.shape)], -1)
+    is_candidate[..., kept:] &= steps < length
+    flat = index.flatten(2)
+    cand_keys = keys.gather(2, flat[..., None].expand(-1, -1, -1, head_dim)).view(*index.shape, head_dim)
+    cand_values = values.gather(2, flat[..., None].expand(-1, -1, -1, values.shape[-1])).view(*index.shape, -1)
+    step = steps[..., None]  # [blocks, C, 1]
+    is_kept = (
+        is_candidate[..., None, :]
+        & (arrival[index][..., None, :] <= step)
+        & (step < exits.gather(-1, flat).view(index.shape)[..., None, :])
+    )  # [B, Hkv, blocks, C, N]
+    numerator, row_max = _blocked_exact_part(q, cand_keys, cand_values, is_kept, scale, blocks, block)
+    # at most one key enters the finite state per step: the one whose exit it is
+    enters_at = torch.where(valid & (exits < length), exits, length)
+    entering = torch.full((batch, kv_heads, length + 1), kept + length, device=q.device, dtype=torch.long)
+    entering.scatter_(-1, enters_at, pool.expand(batch, kv_heads, -1))
+    entering = entering[..., :length, None]
+    padded_keys, padded_values = F.pad(keys, (0, 0, 0, 1)), F.pad(values, (0, 0, 0, 1))  # a zero key at P
+    stays = valid & (exits >= length)
+    final = torch.where(stays, -pool.float(), float("-inf")).topk(kept, dim=-1)
+    final_valid = final.values > float("-inf")
+    final_index = final.indices
+
+    def kept_after(x: torch.Tensor) -> torch.Tensor:  # the pool's rows at the final slots, zero where empty
+        if x.dim() == 3:
+            return torch.where(final_valid, x.gather(2, final_index), torch.zeros((), dtype=x.dtype, device=x.device))
+        rows = x.gather(2, final_index[..., None].expand(-1, -1, -1, x.shape[-1]))
+        return rows * final_valid[..., None].to(rows.dtype)
+
     return KeptSelection(
-        keys=torch.cat(entering_keys, dim=2),
-        values=torch.cat(entering_values, dim=2),
-        numerator=torch.cat(numerators, dim=3),
-        row_max=torch.cat(maxima, dim=3),
-        kept_keys=keys,
-        kept_values=values,
-        kept_scores=scores,
-        kept_positions=positions,
-        kept_valid=valid,
+        keys=padded_keys.gather(2, entering.expand(-1, -1, -1, head_dim)),
+        values=padded_values.gather(2, entering.expand(-1, -1, -1, values.shape[-1])),
+        numerator=numerator,
+        row_max=row_max,
+        kept_keys=kept_after(keys),
+        kept_values=kept_after(values),
+        kept_scores=kept_after(scores),
+        kept_positions=kept_after(positions),
+        kept_valid=final_valid,
     )
 
 
-def _outranked(
-    scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, arrival: torch.Tensor, steps: int
+def _exit_steps(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    arrival: torch.Tensor,
+    kept: int,
+    block: int,
+    length: int,
 ) -> torch.Tensor:
-    """`[B, Hkv, C, N]` how many valid candidates that have arrived by step c rank above candidate j
-    (`_ranks_above`: a higher score, or an equal one and an earlier position), from the scores,
-    positions and validity `[B, Hkv, N]` of the candidates and the step `[N]` from which each has
-    arrived (-1: before the block; C = `steps`). The candidates are sorted once by rank and each
-    counts those before it: O(N (C + log N)) time and memory, where comparing every pair is O(N^2)."""
+    """`[B, Hkv, P]` long: the step at which each pool key stops being kept, from the pool's rank scores,
+    positions and validity `[B, Hkv, P]` and arrival steps `[P]` (-1: before the call).
+
+    Key j is kept while fewer than K valid keys that rank above it (`_ranks_above`) have arrived, so it
+    exits at max(arrival_j, a_j), a_j the arrival of the K-th such key (at least `length` when there is
+    none). The pool is sorted once by rank; then the keys above each one are those sorted before it. A
+    count at each block's end, over the sorted pool, finds the block of a_j; a count over that block's
+    C steps finds the step: O(P (L / C + C)) memory, one pass of batched operations."""
     by_position = positions.argsort(dim=-1, stable=True)
     by_rank = scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)
-    order = by_position.gather(-1, by_rank)  # [B, Hkv, N]: the candidates from the highest rank down
-    arrived = arrival[order][..., None] <= torch.arange(steps, device=scores.device)  # [B, Hkv, N, C]
-    counted = (arrived & valid.gather(-1, order)[..., None]).to(torch.int32)
-    above = counted.cumsum(-2, dtype=torch.int32) - counted  # those sorted before each candidate
-    return torch.empty_like(above).scatter_(-2, order[..., None].expand_as(above), above).mT
+    order = by_position.gather(-1, by_rank)  # [B, Hkv, P]: the pool from the highest rank down
+    ranks = torch.arange(order.shape[-1], device=order.device)
+    sorted_at = torch.empty_like(order).scatter_(-1, order, ranks.expand_as(order))  # each key's place in it
+    sorted_arrival, sorted_valid = arrival[order], valid.gather(-1, order)
+    blocks = -(-length // block)
+    ends = (torch.arange(blocks + 1, device=order.device) * block - 1).clamp_max(length - 1)  # -1, then each block's
+    arrived = (sorted_arrival[..., None, :] <= ends[:, None]) & sorted_valid[..., None, :]  # [B, Hkv, blocks + 1, P]
+    counted = arrived.to(torch.int32)
+    above = counted.cumsum(-1, dtype=torch.int32) - counted  # arrived valid keys ranked above, by each end
+    exit_block = (above < kept).sum(-2)  # 0: K were above before the call; blocks + 1: never K
+    within = (exit_block - 1).clamp(0, blocks - 1)  # the block in which the K-th arrives
+    start = within * block
+    block_steps = start[..., None] + torch.arange(block, device=order.device)  # [B, Hkv, P, C]
+    members = (kept + block_steps).clamp_max(order.shape[-1] - 1).flatten(-2)
+    ranked_above = sorted_at.gather(-1, members).view(block_steps.shape) < ranks[:, None]
+    hits = ranked_above & valid.gather(-1, members).view(block_steps.shape) & (block_steps < length)
+    before = above.gather(-2, (exit_block - 1).clamp(0, blocks)[..., None, :]).squeeze(-2)
+    step = start + (hits.to(torch.int32).cumsum(-1) < (kept - before)[..., None]).sum(-1)
+    kth = torch.where(exit_block == 0, -1, torch.where(exit_block > blocks, length, step))
+    exits_sorted = torch.where(sorted_valid, torch.maximum(sorted_arrival, kth), sorted_arrival)
+    return torch.empty_like(exits_sorted).scatter_(-1, order, exits_sorted)
 
 
-def _slots_in_use(valid: torch.Tensor, candidate: torch.Tensor, kept: int) -> list[int]:
-    """How many leading slots can hold a kept key: before the call (one past the last slot of `valid`
-    `[B, Hkv, K]` valid in any row), then after each step r of the call (that, plus the most candidates
-    `[B, L]` any row has had up to r, at most K). One read back from the device."""
-    used = valid.flatten(0, 1).any(0)
-    filled = (used * torch.arange(1, kept + 1, device=valid.device)).amax()
-    arrived = candidate.long().cumsum(-1).amax(0)  # [L]
-    return torch.cat([filled[None], (filled + arrived).clamp_max(kept)]).tolist()
+def _blocked_exact_part(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    blocks: int,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`masked_exp_part` of each block of C queries over its own N keys, all blocks in one product: q
+    `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
+    `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
+    batch, kv_heads, groups, length, head_dim = q.shape
+    rows = F.pad(q, (0, 0, 0, blocks * block - length)).view(batch, kv_heads, groups, blocks, block, head_dim)
+    rows = rows.transpose(2, 3).reshape(batch, kv_heads, blocks, groups * block, head_dim)
+    x = (scale * (rows @ keys.mT)).view(batch, kv_heads, blocks, groups, block, -1)
+    seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
+    x = x.masked_fill(~seen, float("-inf"))
+    shift = row_shift(x)
+    weights = torch.exp(x - shift).view(batch, kv_heads, blocks, groups * block, -1)
+    shift = shift.masked_fill(~seen.any(-1, keepdim=True), float("-inf"))
+
+    def per_query(blocked: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G * C, X] -> [B, Hkv, G, L, X]
+        blocked = blocked.view(batch, kv_heads, blocks, groups, block, -1).transpose(2, 3)
+        return blocked.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
+
+    return per_query(weights @ values), per_query(shift)
 
 
 def kept_step(

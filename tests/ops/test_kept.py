@@ -11,12 +11,14 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
-from hf_softmax_rnn.ops.kept import _outranked, _ranks_above, kept_schedule, select_kept
+from hf_softmax_rnn.ops.kept import _ranks_above, kept_schedule, select_kept
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
+from .kept_reference import _outranked, select_kept_blockwise
 from .test_window import _phi
 
 
@@ -243,6 +245,92 @@ def test_ranking_by_sort_counts_as_comparing_every_pair(seed):
     above = _ranks_above(scores, positions, valid)  # [B, Hkv, i, j]
     pairwise = above[:, :, :slots].sum(2, keepdim=True) + above[:, :, slots:].cumsum(2)
     assert torch.equal(_outranked(scores, positions, valid, arrival, steps).long(), pairwise)
+
+
+def _random_selection_case(seed: int, kept: int, length: int):
+    """A call's selection inputs: B = 2, Hkv = 2, G = 2, D = 3; rank scores with many ties, candidates
+    left out at random (sinks, padding), and buffers kept before the call with empty slots among them."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    q = randn(2, 2, 2, length, 3)
+    valid = torch.rand(2, 2, kept, generator=generator) > 0.4
+    buffers = (
+        randn(2, 2, kept, 3),
+        randn(2, 2, kept, 4),
+        torch.randint(0, 3, (2, 2, kept), generator=generator).double(),
+        torch.stack([torch.randperm(10, generator=generator)[:kept] for _ in range(4)]).view(2, 2, kept),
+        valid,
+    )
+    buffers = (*buffers[:3], buffers[3].masked_fill(~valid, -1), valid)
+    leaving = (
+        randn(2, 2, length, 3),
+        randn(2, 2, length, 4),
+        torch.randint(0, 3, (2, 2, length), generator=generator).double(),
+        torch.arange(10, 10 + length).expand(2, length),
+        torch.rand(2, length, generator=generator) > 0.25,
+    )
+    return q, leaving, buffers
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 16], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize(("kept", "length"), [(1, 5), (3, 13), (6, 7), (4, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize("seed", range(3))
+def test_exit_steps_select_as_the_block_by_block_form(seed, kept, length, block):
+    """Every key's exit step at once gives the block-by-block loop's entering stream, exact part and kept
+    sets (ties in score broken by position, candidates left out, empty slots in the buffers)."""
+    q, leaving, buffers = _random_selection_case(seed, kept, length)
+    got = select_kept(q, *leaving, buffers, scale=0.7, block=block)
+    want = select_kept_blockwise(q, *leaving, buffers, scale=0.7, block=block)
+    for name in ("keys", "values", "numerator", "row_max"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-12, atol=1e-12)
+    assert torch.equal(got.kept_valid.sum(-1), want.kept_valid.sum(-1))
+    for selection in (got, want):  # the kept keys first, in the order they arrived
+        assert torch.equal(selection.kept_valid.int(), selection.kept_valid.int().sort(dim=-1, descending=True).values)
+    mask = got.kept_valid
+    for name in ("kept_keys", "kept_values", "kept_scores", "kept_positions"):
+        torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], rtol=0, atol=0)
+        assert not getattr(got, name)[~mask].any()  # empty slots are zero
+
+
+class _Operations(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("length", [64, 2048])
+def test_the_selection_of_a_call_takes_a_bounded_number_of_operations(length):
+    """The finetune default's selection (K = 256, blocks of 64) at SmolLM2's heads: under 300 dispatched
+    operations forward, at 64 steps and at 2,048 (a loop over the blocks of 2,048 steps took 4,026, which
+    a GPU launches one by one)."""
+    kv_heads, groups, head_dim, kept = 3, 3, 8, 256
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, kv_heads, groups, length, head_dim, generator=generator)
+    leaving = (
+        torch.randn(1, kv_heads, length, head_dim, generator=generator),
+        torch.randn(1, kv_heads, length, head_dim + 1, generator=generator),
+        torch.rand(1, kv_heads, length, generator=generator),
+        torch.arange(length)[None],
+        torch.ones(1, length, dtype=torch.bool),
+    )
+    buffers = (
+        torch.zeros(1, kv_heads, kept, head_dim),
+        torch.zeros(1, kv_heads, kept, head_dim + 1),
+        torch.zeros(1, kv_heads, kept),
+        torch.zeros(1, kv_heads, kept, dtype=torch.long),
+        torch.zeros(1, kv_heads, kept, dtype=torch.bool),
+    )
+    with _Operations() as operations:
+        selection = select_kept(q, *leaving, buffers, scale=0.125, block=64)
+    assert operations.count < 300, operations.count
+    assert selection.kept_valid.sum().item() == kv_heads * min(kept, length)
 
 
 def _buffers(scores, positions, valid, dim=2):
