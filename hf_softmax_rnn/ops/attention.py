@@ -446,6 +446,7 @@ def attention(
         window_fused = window_backend(
             q.device.type, out_dtype, spec, mode, needs_state, state is None, head_dim, value_dim
         )
+        fresh_state = state is None
         if state is None:
             state = RecurrentState.zeros(
                 batch,
@@ -476,6 +477,7 @@ def attention(
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
             flex_inputs=tuple(x.to(out_dtype) for x in promoted_qkv) if window_fused == "flex" else None,
+            fresh_state=fresh_state,
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)
@@ -512,6 +514,7 @@ def _finite_state(
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
     flex_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    fresh_state: bool = False,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -523,7 +526,8 @@ def _finite_state(
     With `flex_inputs` (the caller's q `[B, H, L, D]`, k and v; given where `ops.backends` picks "flex":
     an empty buffer and no state wanted back) the exact part, sinks included, runs in FlexAttention.
     One recurrent step of a hybrid (decoding) takes `ops.window_step`, the same result in fewer
-    operations."""
+    operations. `fresh_state`: `state` is the empty state (the kept selection then scores only as many
+    slots as can be filled)."""
     if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
         return window_hybrid_step(
             q, k, augmented_v, key_mask, state, kernel, spec, window_scale, linear_log_scale, in_place, log_decay
@@ -568,6 +572,7 @@ def _finite_state(
                 new_state,
                 spec,
                 window_scale,
+                fresh_state,
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
@@ -590,14 +595,17 @@ def _finite_state(
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
 
 
-def _kept_part(q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale):
+def _kept_part(
+    q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale, fresh_state
+):
     """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
     and the kept buffers and window saliencies written to `new_state`. `keys` `[B, Hkv, W + L, D]`,
     `ranks` `[B, W + L]` (visible ranks, `ops.sinks.visible_ranks`) and `candidates` (visible and not a
     sink) are the window buffer then the call's positions; `saliency` `[B, Hkv, W + L]` is the call's
     share of each key's saliency. A key ranks by the larger of its saliency and its predecessor's
-    (`ops.kept`)."""
+    (`ops.kept`). From an empty state (`fresh_state`) nothing is kept before the call and the first W
+    leaving keys are the empty window buffer."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
@@ -620,6 +628,8 @@ def _kept_part(q, keys, leaving_values, ranks, candidates, saliency, exact, row_
         buffers,
         scale,
         spec.chunk_size,
+        held_before=0 if fresh_state else None,
+        first_candidate=window if fresh_state else 0,
     )
     new_state.window_scores = saliency[..., -window:]
     new_state.left_score = saliency[..., length - 1]

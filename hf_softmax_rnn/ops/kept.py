@@ -120,6 +120,8 @@ def select_kept(
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     block: int,
+    held_before: int | None = None,
+    first_candidate: int = 0,
 ) -> KeptSelection:
     """The kept keys of each step of a call, every step at once.
 
@@ -137,6 +139,10 @@ def select_kept(
         buffers: (keys `[B, Hkv, K, D]`, values `[B, Hkv, K, Dv + 1]`, scores `[B, Hkv, K]`, positions
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
         scale: multiplier of q.k; block: steps per block C.
+        held_before: at most this many keys are kept before the call (0 from an empty state; None: K);
+            first_candidate: no leaving key before this step is a candidate (W from an empty state: the
+            first W leaving keys are its empty window buffer). Bounds only: a block then scores about as
+            many slots as it can hold at most (`_slot_groups`), instead of K.
     """
     batch, kv_heads, groups, length, head_dim = q.shape
     kept = buffers[0].shape[2]
@@ -152,25 +158,25 @@ def select_kept(
     arrival[:kept] = -1
     with torch.no_grad():
         exits = _exit_steps(scores, positions, valid, arrival, kept, block, length)
-    steps = torch.arange(blocks * block, device=q.device).view(blocks, block)
-    # each block's candidates: the keys kept at its start (compacted into K slots) and its own C keys
-    starts = steps[:, :1] - 1  # [blocks, 1]: the step before each block
-    held = valid[:, :, None, :] & (arrival <= starts) & (exits[:, :, None, :] > starts)  # [B, Hkv, blocks, P]
-    slot_order = torch.where(held, -pool.float(), float("-inf")).topk(kept, dim=-1)  # kept keys in pool order
-    own = (kept + steps).clamp_max(kept + length - 1).expand(batch, kv_heads, -1, -1)
-    index = torch.cat([slot_order.indices, own], dim=-1)  # [B, Hkv, blocks, N = K + C]
-    is_candidate = torch.cat([slot_order.values > float("-inf"), valid.gather(-1, own.flatten(2)).view(own.shape)], -1)
-    is_candidate[..., kept:] &= steps < length
-    flat = index.flatten(2)
-    cand_keys = keys.gather(2, flat[..., None].expand(-1, -1, -1, head_dim)).view(*index.shape, head_dim)
-    cand_values = values.gather(2, flat[..., None].expand(-1, -1, -1, values.shape[-1])).view(*index.shape, -1)
-    step = steps[..., None]  # [blocks, C, 1]
-    is_kept = (
-        is_candidate[..., None, :]
-        & (arrival[index][..., None, :] <= step)
-        & (step < exits.gather(-1, flat).view(index.shape)[..., None, :])
-    )  # [B, Hkv, blocks, C, N]
-    numerator, row_max = _blocked_exact_part(q, cand_keys, cand_values, is_kept, scale, blocks, block)
+    numerators, maxima = [], []
+    for first, stop, slots in _slot_groups(blocks, block, kept, held_before, first_candidate):
+        steps = torch.arange(first * block, stop * block, device=q.device).view(stop - first, block)
+        candidates = _block_candidates(steps, slots, valid, arrival, exits, pool, kept, length)
+        flat = candidates[0].flatten(2)
+        cand_keys = keys.gather(2, flat[..., None].expand(-1, -1, -1, head_dim)).view(*candidates[0].shape, -1)
+        cand_values = values.gather(2, flat[..., None].expand(-1, -1, -1, values.shape[-1]))
+        numerator, row_max = _blocked_exact_part(
+            q[..., first * block : stop * block, :],
+            cand_keys,
+            cand_values.view(*candidates[0].shape, -1),
+            candidates[1],
+            scale,
+            stop - first,
+            block,
+        )
+        numerators.append(numerator)
+        maxima.append(row_max)
+    numerator, row_max = torch.cat(numerators, dim=3), torch.cat(maxima, dim=3)
     # at most one key enters the finite state per step: the one whose exit it is
     enters_at = torch.where(valid & (exits < length), exits, length)
     entering = torch.full((batch, kv_heads, length + 1), kept + length, device=q.device, dtype=torch.long)
@@ -199,6 +205,59 @@ def select_kept(
         kept_positions=kept_after(positions),
         kept_valid=final_valid,
     )
+
+
+def _slot_groups(
+    blocks: int, block: int, kept: int, held_before: int | None, first_candidate: int
+) -> list[tuple[int, int, int]]:
+    """(first block, stop block, slots) runs of consecutive blocks that hold at most `slots` kept keys at
+    their start: min(K, held_before + the candidates that can have arrived), rounded up to 2^k or
+    3 * 2^(k - 2) (at most K, a third more than needed at worst), so that a call from an empty state runs
+    a few products of growing width."""
+    held_before = kept if held_before is None else held_before
+    groups: list[tuple[int, int, int]] = []
+    for index in range(blocks):
+        bound = min(kept, held_before + max(0, index * block - first_candidate))
+        power = 1 << (bound - 1).bit_length() if bound else 0
+        slots = min(kept, power * 3 // 4 if 4 <= power and bound <= power * 3 // 4 else power)
+        if groups and groups[-1][2] == slots:
+            groups[-1] = (groups[-1][0], index + 1, slots)
+        else:
+            groups.append((index, index + 1, slots))
+    return groups
+
+
+def _block_candidates(
+    steps: torch.Tensor,
+    slots: int,
+    valid: torch.Tensor,
+    arrival: torch.Tensor,
+    exits: torch.Tensor,
+    pool: torch.Tensor,
+    kept: int,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For blocks of steps `[n, C]`: the pool indices `[B, Hkv, n, slots + C]` of each block's candidates
+    (the keys kept at its start, compacted into `slots` slots in pool order, then its own C leaving
+    keys) and `[B, Hkv, n, C, slots + C]` bool: candidate j is kept at step c of the block."""
+    batch, kv_heads, _ = valid.shape
+    own = (kept + steps).clamp_max(kept + length - 1).expand(batch, kv_heads, -1, -1)
+    own_valid = valid.gather(-1, own.flatten(2)).view(own.shape) & (steps < length)
+    if slots:
+        starts = steps[:, :1] - 1  # [n, 1]: the step before each block
+        held = valid[:, :, None, :] & (arrival <= starts) & (exits[:, :, None, :] > starts)  # [B, Hkv, n, P]
+        slot_order = torch.where(held, -pool.float(), float("-inf")).topk(slots, dim=-1)  # in pool order
+        index = torch.cat([slot_order.indices, own], dim=-1)
+        is_candidate = torch.cat([slot_order.values > float("-inf"), own_valid], dim=-1)
+    else:
+        index, is_candidate = own, own_valid
+    step = steps[..., None]  # [n, C, 1]
+    is_kept = (
+        is_candidate[..., None, :]
+        & (arrival[index][..., None, :] <= step)
+        & (step < exits.gather(-1, index.flatten(2)).view(index.shape)[..., None, :])
+    )
+    return index, is_kept
 
 
 def _exit_steps(

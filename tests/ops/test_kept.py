@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
-from hf_softmax_rnn.ops.kept import _ranks_above, kept_schedule, select_kept
+from hf_softmax_rnn.ops.kept import _ranks_above, _slot_groups, kept_schedule, select_kept
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
 from .kept_reference import _outranked, select_kept_blockwise
@@ -275,14 +275,21 @@ def _random_selection_case(seed: int, kept: int, length: int):
     return q, leaving, buffers
 
 
+@pytest.mark.parametrize("bounds", [False, True], ids=["any_slots", "bounded_slots"])
 @pytest.mark.parametrize("block", [1, 2, 4, 16], ids=lambda b: f"block{b}")
-@pytest.mark.parametrize(("kept", "length"), [(1, 5), (3, 13), (6, 7), (4, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize(("kept", "length"), [(1, 5), (3, 13), (6, 7), (4, 1), (8, 30)], ids=lambda x: str(x))
 @pytest.mark.parametrize("seed", range(3))
-def test_exit_steps_select_as_the_block_by_block_form(seed, kept, length, block):
+def test_exit_steps_select_as_the_block_by_block_form(seed, kept, length, block, bounds):
     """Every key's exit step at once gives the block-by-block loop's entering stream, exact part and kept
-    sets (ties in score broken by position, candidates left out, empty slots in the buffers)."""
+    sets (ties in score broken by position, candidates left out, empty slots in the buffers), also where
+    the call says how many keys were kept before it and how many of its first leaving keys are not
+    candidates (the blocks then score fewer slots)."""
     q, leaving, buffers = _random_selection_case(seed, kept, length)
-    got = select_kept(q, *leaving, buffers, scale=0.7, block=block)
+    hints = {}
+    if bounds:
+        leaving[4][:, :3] = False
+        hints = dict(held_before=int(buffers[4].sum(-1).max()), first_candidate=3)
+    got = select_kept(q, *leaving, buffers, scale=0.7, block=block, **hints)
     want = select_kept_blockwise(q, *leaving, buffers, scale=0.7, block=block)
     for name in ("keys", "values", "numerator", "row_max"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-12, atol=1e-12)
@@ -293,6 +300,19 @@ def test_exit_steps_select_as_the_block_by_block_form(seed, kept, length, block)
     for name in ("kept_keys", "kept_values", "kept_scores", "kept_positions"):
         torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], rtol=0, atol=0)
         assert not getattr(got, name)[~mask].any()  # empty slots are zero
+
+
+def test_blocks_are_grouped_by_the_slots_they_can_hold():
+    """From an empty state with a window of 256 and blocks of 64, K = 256: no slot until a key can have
+    left the window, then 64, 128, 192 and 256 (bounds rounded up to 2^k or 3 * 2^(k - 2), at most K)."""
+    assert _slot_groups(blocks=9, block=64, kept=256, held_before=0, first_candidate=256) == [
+        (0, 5, 0), (5, 6, 64), (6, 7, 128), (7, 8, 192), (8, 9, 256),
+    ]  # fmt: skip
+    assert _slot_groups(blocks=4, block=1, kept=100, held_before=4, first_candidate=0) == [
+        (0, 1, 4), (1, 3, 6), (3, 4, 8),
+    ]  # fmt: skip
+    assert _slot_groups(blocks=3, block=64, kept=256, held_before=None, first_candidate=0) == [(0, 3, 256)]
+    assert _slot_groups(blocks=2, block=4, kept=6, held_before=5, first_candidate=0) == [(0, 2, 6)]
 
 
 class _Operations(TorchDispatchMode):
