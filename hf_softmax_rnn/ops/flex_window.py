@@ -24,6 +24,7 @@ backward (CPU). Shapes: q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (H a multiple of
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -110,8 +111,11 @@ def flex_window_attention(
     mask_mod = _mask_mod(readable, first_visible(key_valid), window, sinks)
     block_mask = _flex_function("create_block_mask", compiled)(mask_mod, batch, None, length, length, device=q.device)
     attend = _flex_function("flex_attention", compiled)
-    out, lse = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
-    return out, lse
+    aux_request = getattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest", None)
+    if aux_request is None:  # PyTorch before 2.9: the log-sum-exp through return_lse
+        return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+    out, aux = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux_request(lse=True))
+    return out, aux.lse
 
 
 def combine_window_and_linear(

@@ -11,6 +11,7 @@ The GPU test (tests/gpu/test_flex_window.py) checks the compiled kernel and its 
 """
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -240,3 +241,15 @@ def test_bfloat16_hybrid_reads_the_caller_s_tensors_in_flex_and_writes_little_be
     with backends.fused_kernels(False):
         plain, _ = attention(*leaves, spec, mode="chunked", return_state=False, params=params)
     torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_flex_window_asks_for_the_log_sum_exp_without_a_deprecated_argument():
+    """FlexAttention's `return_lse` is deprecated where `return_aux` exists: no FutureWarning."""
+    q, k, v = _inputs(torch.float32)
+    valid = torch.ones(2, LENGTH, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out, lse = flex_window_attention(q, k, v, valid, SCALE, 4, compiled=False)
+    want_out, want_lse = window_attention_reference(q, k, v, valid, SCALE, 4)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
