@@ -144,7 +144,7 @@ def select_kept(
             first W leaving keys are its empty window buffer). Bounds only: a block then scores about as
             many slots as it can hold at most (`_slot_groups`), instead of K.
     """
-    batch, kv_heads, groups, length, head_dim = q.shape
+    batch, kv_heads, _, length, head_dim = q.shape
     kept = buffers[0].shape[2]
     block = max(1, min(block, length))
     blocks = -(-length // block)
