@@ -357,7 +357,6 @@ def attention(
             without a cache); a state-free fused GPU kernel may then run (`ops.backends`).
         update_state_in_place: recurrent mode without autograd (decoding): the finite-state part
             of `state` is updated in place and the returned state holds the same tensor.
-
         io_dtype: the dtype of the output, which the fused kernels (and SDPA, for exact softmax) read;
             None: the promoted dtype of q, k and v, or autocast's dtype under autocast (as autocast
             runs SDPA; autocast is off inside). The PyTorch forms compute in the promoted dtype of

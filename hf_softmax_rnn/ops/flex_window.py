@@ -112,7 +112,7 @@ def flex_window_attention(
     block_mask = _flex_function("create_block_mask", compiled)(mask_mod, batch, None, length, length, device=q.device)
     attend = _flex_function("flex_attention", compiled)
     aux_request = getattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest", None)
-    if aux_request is None:  # PyTorch before 2.9: the log-sum-exp through return_lse
+    if aux_request is None:  # older PyTorch: the log-sum-exp through return_lse
         return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
     out, aux = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux_request(lse=True))
     return out, aux.lse
