@@ -19,13 +19,14 @@ from hf_softmax_rnn.ops.flex_window import window_attention_reference
 
 
 class WrittenBytes(TorchDispatchMode):
-    """Counts the bytes the operations write (views write none), except inside a kernel stand-in."""
+    """Counts the bytes the operations write (views write none) and the operations that are not views
+    (on a GPU, kernel launches), except inside a kernel stand-in."""
 
     active: list[WrittenBytes] = []
 
     def __init__(self):
         super().__init__()
-        self.bytes, self.paused = 0, False
+        self.bytes, self.operations, self.paused = 0, 0, False
 
     def __enter__(self):
         WrittenBytes.active.append(self)
@@ -38,6 +39,7 @@ class WrittenBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused and not func.is_view:
+            self.operations += 1
             outputs = out if isinstance(out, (tuple, list)) else [out]
             self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
         return out
@@ -69,28 +71,31 @@ def saved_bytes(function) -> int:
 
 
 class FlaStandIn(torch.autograd.Function):
-    """fla's `chunk_simple_gla` as autograd sees it: the float64 statement's values, and q, k, v and the
-    initial state kept for the backward pass (fla recomputes the rest there)."""
+    """fla's `chunk_simple_gla` as autograd sees it: the float64 statement's values, and q, k, v, the
+    log-decays g (or None) and the initial state kept for the backward pass (fla recomputes the rest
+    there)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, scale):
-        ctx.save_for_backward(q, k, v, initial_state)
+    def forward(ctx, q, k, v, initial_state, scale, g):
+        ctx.save_for_backward(q, k, v, initial_state, g)
         ctx.scale = scale
         with inside_kernel():
-            return chunk_simple_gla_reference(q, k, v, scale=scale, initial_state=initial_state)
+            return chunk_simple_gla_reference(q, k, v, g=g, scale=scale, initial_state=initial_state)
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, initial_state = ctx.saved_tensors
+        q, k, v, initial_state, g = ctx.saved_tensors
         with inside_kernel(), torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q, k, v, initial_state)]
-            outputs = chunk_simple_gla_reference(*leaves[:3], scale=ctx.scale, initial_state=leaves[3])
-            return *torch.autograd.grad(outputs, leaves, (d_out, d_final)), None
+            decay = None if g is None else g.detach().requires_grad_()
+            outputs = chunk_simple_gla_reference(*leaves[:3], g=decay, scale=ctx.scale, initial_state=leaves[3])
+            grads = torch.autograd.grad(outputs, leaves + ([] if decay is None else [decay]), (d_out, d_final))
+        return *grads[:4], None, None if decay is None else grads[4]
 
     @staticmethod
-    def chunk_function(q, k, v, *, initial_state, scale, **_):
-        """The stand-in with `chunk_simple_gla`'s keywords (no decay)."""
-        return FlaStandIn.apply(q, k, v, initial_state, scale)
+    def chunk_function(q, k, v, *, initial_state, scale, g=None, **_):
+        """The stand-in with `chunk_simple_gla`'s keywords."""
+        return FlaStandIn.apply(q, k, v, initial_state, scale, g)
 
 
 class FlexStandIn(torch.autograd.Function):

@@ -17,8 +17,9 @@ from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
 from hf_softmax_rnn.ops.kept import _ranks_above, _slot_groups, kept_schedule, select_kept
 
-from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
+from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params, quiet_preset
 from .kept_reference import _outranked, select_kept_blockwise
+from .kernel_stand_ins import WrittenBytes, use_stand_ins
 from .test_window import _phi
 
 
@@ -351,6 +352,24 @@ def test_the_selection_of_a_call_takes_a_bounded_number_of_operations(length):
         selection = select_kept(q, *leaving, buffers, scale=0.125, block=64)
     assert operations.count < 300, operations.count
     assert selection.kept_valid.sum().item() == kv_heads * min(kept, length)
+
+
+def test_a_layer_of_the_default_spec_launches_few_operations_beside_fla(monkeypatch):
+    """One bfloat16 call of the finetune default's spec (window 256, 4 sinks, 256 kept, decay) at SmolLM2's
+    heads and 1,024 tokens, forward and backward, with fla's stand-in for the decayed part older than the
+    window: under 1,000 operations outside fla (each a kernel launch on a GPU; the block-by-block
+    selection took 1,851)."""
+    use_stand_ins(monkeypatch)
+    spec = quiet_preset("hedgehog_window_256_sinks_4_kept_256_decay")
+    q, k, v, logits = make_inputs(batch=1, heads=9, kv_heads=3, length=1024, head_dim=64, dtype=torch.bfloat16)
+    v, gates = gated(spec, v, logits)
+    params = as_params(make_params(spec, heads=9, kv_heads=3, head_dim=64, dtype=torch.float32))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    with WrittenBytes() as counter:
+        out, _ = attention(*leaves, spec, mode="chunked", gates=gates, params=params, return_state=False)
+        out.float().sum().backward()
+    assert counter.operations < 1000, counter.operations
+    assert all(torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
 def _buffers(scores, positions, valid, dim=2):
