@@ -77,10 +77,14 @@ class Measurement:
 class Trainer:
     """One model, its AdamW optimizer and its training step on a batch of token ids."""
 
-    def __init__(self, name: str, model, device: torch.device, segment_length: int | None = None) -> None:
-        """`segment_length`: fla's rows cut at this many tokens in the step (0: whole; None: the default)."""
+    def __init__(
+        self, name: str, model, device: torch.device, segment_length: int | None = None, compiled: bool = False
+    ) -> None:
+        """`segment_length`: fla's rows cut at this many tokens in the step (0: whole; None: the default);
+        `compiled`: the forward through `torch.compile`."""
         self.name, self.model, self.device = name, model.to(device).train(), device
         self.segment_length = segment_length
+        self.forward = torch.compile(self.model) if compiled else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
 
     def step(self, ids: torch.Tensor) -> float:
@@ -92,7 +96,7 @@ class Trainer:
         start = time.perf_counter()
         with segments:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                loss = self.model(input_ids=ids, labels=ids).loss
+                loss = self.forward(input_ids=ids, labels=ids).loss
             loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -253,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every model recomputes its decoder layers' activations in the backward pass (as finetune's flag)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="every model's forward through torch.compile (the operations around the attention kernels fused; "
+        "each length compiles during its warm-up steps)",
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path("bench_train"), help="writes OUTPUT/bench_train.{md,json,png}"
     )
     args = parser.parse_args(argv)
@@ -284,12 +294,18 @@ def main(argv: list[str] | None = None) -> None:
         config.num_hidden_layers = args.layers
     torch.manual_seed(0)
     base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    trainers = [Trainer(name, convert(base_model, name, attention_mode="chunked"), device) for name in args.presets]
+    compiled = args.compile
+    trainers = [
+        Trainer(name, convert(base_model, name, attention_mode="chunked"), device, compiled=compiled)
+        for name in args.presets
+    ]
     trainers += [
-        Trainer(f"{name} {UNSEGMENTED}", convert(base_model, name, attention_mode="chunked"), device, segment_length=0)
+        Trainer(
+            f"{name} {UNSEGMENTED}", convert(base_model, name, attention_mode="chunked"), device, 0, compiled=compiled
+        )
         for name in args.unsegmented
     ]
-    trainers.insert(0, Trainer(BASELINE, base_model, device))
+    trainers.insert(0, Trainer(BASELINE, base_model, device, compiled=compiled))
     if args.gradient_checkpointing:
         for trainer in trainers:
             trainer.model.activation_checkpointing_enable({"use_reentrant": False})
@@ -298,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     title = (
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: training step (fwd+bwd+AdamW), "
         f"{args.tokens_per_step} tokens per step, {precision}"
-        f"{', activation checkpointing' if args.gradient_checkpointing else ''}, {hardware}; median of {args.steps}"
+        f"{', activation checkpointing' if args.gradient_checkpointing else ''}"
+        f"{', torch.compile' if args.compile else ''}, {hardware}; median of {args.steps}"
     )
     run_benchmark(trainers, config.vocab_size, args, lambda done: write_report(done, args, title))
     print((args.output / "bench_train.md").read_text(), end="")

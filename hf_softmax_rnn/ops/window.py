@@ -57,9 +57,9 @@ def banded_exp_attention(
     # keys is read once (a product broadcast over G would copy it G times)
     q = F.pad(q, (0, 0, 0, pad)).view(batch, kv_heads, groups, blocks, block, head_dim).transpose(2, 3)
     q = q.reshape(batch, kv_heads, blocks, groups * block, head_dim)
-    key_blocks = F.pad(keys, (0, 0, 0, pad)).unfold(2, span, block)  # [B, Hkv, blocks, D, C + W]
-    value_blocks = F.pad(values, (0, 0, 0, pad)).unfold(2, span, block)
-    valid_blocks = F.pad(key_valid, (0, pad)).unfold(1, span, block)
+    key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
+    value_blocks = _windows(F.pad(values, (0, 0, 0, pad)), 2, span, block)
+    valid_blocks = _windows(F.pad(key_valid, (0, pad)), 1, span, block)
     rows = torch.arange(block, device=q.device)[:, None]
     cols = torch.arange(span, device=q.device)[None, :]
     visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
@@ -77,6 +77,15 @@ def banded_exp_attention(
     if query_valid is None:
         return numerator, row_max
     return numerator, row_max, _saliency(weights.detach().transpose(2, 3), query_valid, block, window, length)
+
+
+def _windows(x: torch.Tensor, dim: int, span: int, step: int) -> torch.Tensor:
+    """`x.unfold(dim, span, step)`; where `x` holds exactly one window along `dim`, the same view made by
+    moving `dim` last (torch.compile's CPU backward of a product with a one-window unfold crashes in
+    PyTorch 2.13)."""
+    if x.shape[dim] == span:
+        return x.movedim(dim, -1).unsqueeze(dim)
+    return x.unfold(dim, span, step)
 
 
 def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, window: int, length: int) -> torch.Tensor:

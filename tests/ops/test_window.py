@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
 
-from .helpers import as_params, left_padding_mask, make_inputs, make_params
+from .helpers import as_params, left_padding_mask, make_inputs, make_params, quiet_preset
 
 
 def _phi(x, spec, weight):
@@ -163,3 +163,36 @@ def test_state_from_another_sink_count_raises():
     ):
         with pytest.raises(ValueError, match=rf"state was made for another attention.*sinks=2 \(here {other.sinks}\)"):
             attention(q, k, v, other, mode="recurrent", params=params, state=state)
+
+
+def test_compiled_training_of_a_window_hybrid_in_one_block_matches_eager():
+    """torch.compile of a chunked hybrid call whose queries fill one block (L = C = W = 64), on 2 threads: the
+    outputs and gradients of eager (the one window of keys is a plain view: inductor's parallel CPU
+    backward of a product with a one-window unfold crashed the process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _compare_compiled_one_block()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_compiled_one_block():
+    spec = quiet_preset("hedgehog_window_64")
+    q, k, v, _ = make_inputs(batch=2, heads=4, kv_heads=2, length=64, head_dim=8, dtype=torch.float32)
+    tensors = make_params(spec, dtype=torch.float32)
+
+    def run(compiled: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *tensors.values())]
+        params = as_params(dict(zip(tensors, leaves[3:])))
+
+        def call(q, k, v):
+            return attention(q, k, v, spec, mode="chunked", params=params, return_state=False)[0]
+
+        out = (torch.compile(call) if compiled else call)(*leaves[:3])
+        out.sum().backward()
+        return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+    torch._dynamo.reset()
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

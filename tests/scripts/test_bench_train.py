@@ -107,6 +107,27 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
     assert counts == {False: layers * models * steps, True: 2 * layers * models * steps}
 
 
+def test_compile_runs_every_model_s_forward_through_torch_compile(tmp_path, monkeypatch):
+    """--compile: the original and the converted hybrid (one block of queries: the case inductor's CPU
+    backward once crashed on) train through torch.compile; the title says so and every step is timed."""
+    module = _load_script(monkeypatch)
+    compiled = []
+    compile_function = module.torch.compile
+
+    def recorded(model, *args, **kwargs):
+        compiled.append(type(model).__name__)
+        return compile_function(model, *args, **kwargs)
+
+    monkeypatch.setattr(module.torch, "compile", recorded)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", "hedgehog_window_64", "--lengths", "16", "--compile"]
+    module.main(argv + ["--tokens-per-step", "32", "--steps", "1", "--warmup", "1", "--output", str(output)])
+    result = json.loads((output / "bench_train.json").read_text())
+    assert "torch.compile" in result["title"]
+    assert sorted(compiled) == ["LlamaForCausalLM", "SoftmaxRNNLlamaForCausalLM"]
+    assert all(m["tokens_per_s"] > 0 and m["error"] is None for m in result["measurements"])
+
+
 def test_unsegmented_presets_are_timed_with_fla_s_rows_left_whole(tmp_path, monkeypatch, capsys):
     module = _load_script(monkeypatch)
     seen = []  # (model, the state segment length its forward ran under)
