@@ -45,6 +45,18 @@ class WrittenBytes(TorchDispatchMode):
         return out
 
 
+class DispatchedOperations(TorchDispatchMode):
+    """Counts every dispatched operation, views included (on a CPU, about one dispatch each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def inside_kernel():
     """Pause the written-bytes counts while a stand-in stands for a fused kernel."""

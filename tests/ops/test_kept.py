@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
@@ -19,7 +18,7 @@ from hf_softmax_rnn.ops.kept import _ranks_above, _slot_groups, kept_schedule, s
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params, quiet_preset
 from .kept_reference import _outranked, select_kept_blockwise
-from .kernel_stand_ins import WrittenBytes, use_stand_ins
+from .kernel_stand_ins import DispatchedOperations, WrittenBytes, use_stand_ins
 from .test_window import _phi
 
 
@@ -316,16 +315,6 @@ def test_blocks_are_grouped_by_the_slots_they_can_hold():
     assert _slot_groups(blocks=2, block=4, kept=6, held_before=5, first_candidate=0) == [(0, 2, 6)]
 
 
-class _Operations(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("length", [64, 2048])
 def test_the_selection_of_a_call_takes_a_bounded_number_of_operations(length):
     """The finetune default's selection (K = 256, blocks of 64) at SmolLM2's heads: under 300 dispatched
@@ -348,7 +337,7 @@ def test_the_selection_of_a_call_takes_a_bounded_number_of_operations(length):
         torch.zeros(1, kv_heads, kept, dtype=torch.long),
         torch.zeros(1, kv_heads, kept, dtype=torch.bool),
     )
-    with _Operations() as operations:
+    with DispatchedOperations() as operations:
         selection = select_kept(q, *leaving, buffers, scale=0.125, block=64)
     assert operations.count < 300, operations.count
     assert selection.kept_valid.sum().item() == kv_heads * min(kept, length)

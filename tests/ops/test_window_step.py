@@ -7,12 +7,12 @@ which the formula and simulation tests check in float64.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
+from .kernel_stand_ins import DispatchedOperations
 from .test_kept import SPECS as KEPT_SPECS
 from .test_kept import _assert_same_state
 
@@ -123,16 +123,6 @@ def test_in_place_step_writes_the_state_it_was_given():
         torch.testing.assert_close(got, want, **TOL)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_step_of_the_finetune_default_takes_few_operations():
     """Decoding cost on a CPU is about one dispatch per tensor operation: one step of the finetune
     default's spec (window 256, 4 sinks, 256 kept, decay; SmolLM2's 9 query and 3 KV heads) stays
@@ -144,7 +134,7 @@ def test_a_step_of_the_finetune_default_takes_few_operations():
     with torch.no_grad():
         _, state = attention(q[..., :300, :], k[..., :300, :], v[..., :300, :], spec, mode="chunked",
                              params=params, gates={"decay": gates["decay"][..., :300]})  # fmt: skip
-        counter = _CountOps()
+        counter = DispatchedOperations()
         with counter:
             attention(q[..., 300:, :], k[..., 300:, :], v[..., 300:, :], spec, mode="recurrent", params=params,
                       gates={"decay": gates["decay"][..., 300:]}, state=state, update_state_in_place=True)  # fmt: skip
