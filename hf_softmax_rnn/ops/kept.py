@@ -129,7 +129,8 @@ def select_kept(
     during it (key r at step r). `_exit_steps` gives each pool key the step at which it stops being kept
     (without autograd); key j is then kept at step t when it is a candidate, arrived_j <= t < exit_j, and
     enters the finite state at exit_j. The exact part of the queries of each block of C steps scores the
-    keys kept at the block's start and its C leaving keys, all blocks in one batched product.
+    keys kept at the block's start and its C leaving keys, one batched product per group of blocks
+    (`_slot_groups`).
 
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`; the query of step r sees the keys kept after key r left.
@@ -144,7 +145,7 @@ def select_kept(
             first W leaving keys are its empty window buffer). Bounds only: a block then scores about as
             many slots as it can hold at most (`_slot_groups`), instead of K.
     """
-    batch, kv_heads, _, length, head_dim = q.shape
+    batch, kv_heads, length = q.shape[0], q.shape[1], q.shape[3]
     kept = buffers[0].shape[2]
     block = max(1, min(block, length))
     blocks = -(-length // block)
@@ -161,15 +162,12 @@ def select_kept(
     numerators, maxima = [], []
     for first, stop, slots in _slot_groups(blocks, block, kept, held_before, first_candidate):
         steps = torch.arange(first * block, stop * block, device=q.device).view(stop - first, block)
-        candidates = _block_candidates(steps, slots, valid, arrival, exits, pool, kept, length)
-        flat = candidates[0].flatten(2)
-        cand_keys = keys.gather(2, flat[..., None].expand(-1, -1, -1, head_dim)).view(*candidates[0].shape, -1)
-        cand_values = values.gather(2, flat[..., None].expand(-1, -1, -1, values.shape[-1]))
+        index, is_kept = _block_candidates(steps, slots, valid, arrival, exits, pool, kept, length)
         numerator, row_max = _blocked_exact_part(
             q[..., first * block : stop * block, :],
-            cand_keys,
-            cand_values.view(*candidates[0].shape, -1),
-            candidates[1],
+            _rows(keys, index),
+            _rows(values, index),
+            is_kept,
             scale,
             stop - first,
             block,
@@ -181,8 +179,7 @@ def select_kept(
     enters_at = torch.where(valid & (exits < length), exits, length)
     entering = torch.full((batch, kv_heads, length + 1), kept + length, device=q.device, dtype=torch.long)
     entering.scatter_(-1, enters_at, pool.expand(batch, kv_heads, -1))
-    entering = entering[..., :length, None]
-    padded_keys, padded_values = F.pad(keys, (0, 0, 0, 1)), F.pad(values, (0, 0, 0, 1))  # a zero key at P
+    entering = entering[..., :length]
     stays = valid & (exits >= length)
     final = torch.where(stays, -pool.float(), float("-inf")).topk(kept, dim=-1)
     final_valid = final.values > float("-inf")
@@ -191,12 +188,12 @@ def select_kept(
     def kept_after(x: torch.Tensor) -> torch.Tensor:  # the pool's rows at the final slots, zero where empty
         if x.dim() == 3:
             return torch.where(final_valid, x.gather(2, final_index), torch.zeros((), dtype=x.dtype, device=x.device))
-        rows = x.gather(2, final_index[..., None].expand(-1, -1, -1, x.shape[-1]))
+        rows = _rows(x, final_index)
         return rows * final_valid[..., None].to(rows.dtype)
 
     return KeptSelection(
-        keys=padded_keys.gather(2, entering.expand(-1, -1, -1, head_dim)),
-        values=padded_values.gather(2, entering.expand(-1, -1, -1, values.shape[-1])),
+        keys=_rows(F.pad(keys, (0, 0, 0, 1)), entering),  # a zero row at P: no key enters
+        values=_rows(F.pad(values, (0, 0, 0, 1)), entering),
         numerator=numerator,
         row_max=row_max,
         kept_keys=kept_after(keys),
@@ -205,6 +202,12 @@ def select_kept(
         kept_positions=kept_after(positions),
         kept_valid=final_valid,
     )
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of `x` `[B, Hkv, P, X]` at `index` `[B, Hkv, ...]` (pool positions) -> `[B, Hkv, ..., X]`."""
+    flat = index.flatten(2)[..., None].expand(-1, -1, -1, x.shape[-1])
+    return x.gather(2, flat).view(*index.shape, x.shape[-1])
 
 
 def _slot_groups(
