@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.kernels import row_shift
+from hf_softmax_rnn.ops.window import per_query, query_blocks
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -317,21 +318,14 @@ def _blocked_exact_part(
     """`masked_exp_part` of each block of C queries over its own N keys, all blocks in one product: q
     `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
     `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
-    batch, kv_heads, groups, length, head_dim = q.shape
-    rows = F.pad(q, (0, 0, 0, blocks * block - length)).view(batch, kv_heads, groups, blocks, block, head_dim)
-    rows = rows.transpose(2, 3).reshape(batch, kv_heads, blocks, groups * block, head_dim)
-    x = (scale * (rows @ keys.mT)).view(batch, kv_heads, blocks, groups, block, -1)
+    batch, kv_heads, groups, length, _ = q.shape
+    x = (scale * (query_blocks(q, blocks, block) @ keys.mT)).view(batch, kv_heads, blocks, groups, block, -1)
     seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
     x = x.masked_fill(~seen, float("-inf"))
     shift = row_shift(x)
     weights = torch.exp(x - shift).view(batch, kv_heads, blocks, groups * block, -1)
     shift = shift.masked_fill(~seen.any(-1, keepdim=True), float("-inf"))
-
-    def per_query(blocked: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G * C, X] -> [B, Hkv, G, L, X]
-        blocked = blocked.view(batch, kv_heads, blocks, groups, block, -1).transpose(2, 3)
-        return blocked.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
-
-    return per_query(weights @ values), per_query(shift)
+    return per_query(weights @ values, groups, length), per_query(shift, groups, length)
 
 
 def kept_step(

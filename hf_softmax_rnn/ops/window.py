@@ -53,10 +53,7 @@ def banded_exp_attention(
     block = max(1, min(block, length))
     blocks = -(-length // block)
     pad, span = blocks * block - length, block + window
-    # [B, Hkv, blocks, G * C, D]: the query heads of a KV head stacked as rows, so that each block of
-    # keys is read once (a product broadcast over G would copy it G times)
-    q = F.pad(q, (0, 0, 0, pad)).view(batch, kv_heads, groups, blocks, block, head_dim).transpose(2, 3)
-    q = q.reshape(batch, kv_heads, blocks, groups * block, head_dim)
+    q = query_blocks(q, blocks, block)
     key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
     value_blocks = _windows(F.pad(values, (0, 0, 0, pad)), 2, span, block)
     valid_blocks = _windows(F.pad(key_valid, (0, pad)), 1, span, block)
@@ -68,15 +65,27 @@ def banded_exp_attention(
     row_max = row_shift(x)
     weights = torch.exp(x - row_max)
     numerator = weights.view(batch, kv_heads, blocks, groups * block, span) @ value_blocks.mT
-
-    def per_query(blocked: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G(, C), C, X] -> [B, Hkv, G, L, X]
-        blocked = blocked.view(batch, kv_heads, blocks, groups, block, -1).transpose(2, 3)
-        return blocked.reshape(batch, kv_heads, groups, blocks * block, -1)[..., :length, :]
-
-    numerator, row_max = per_query(numerator), per_query(row_max)
+    numerator, row_max = per_query(numerator, groups, length), per_query(row_max, groups, length)
     if query_valid is None:
         return numerator, row_max
     return numerator, row_max, _saliency(weights.detach().transpose(2, 3), query_valid, block, window, length)
+
+
+def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
+    """Grouped queries `[B, Hkv, G, L, D]` -> `[B, Hkv, blocks, G * C, D]` (zero-padded to blocks * C): the
+    query heads of a KV head stacked as the rows of each block, so that a product with the block's keys
+    reads them once (a product broadcast over G would copy them G times)."""
+    batch, kv_heads, groups, length, head_dim = q.shape
+    rows = F.pad(q, (0, 0, 0, blocks * block - length)).view(batch, kv_heads, groups, blocks, block, head_dim)
+    return rows.transpose(2, 3).reshape(batch, kv_heads, blocks, groups * block, head_dim)
+
+
+def per_query(blocked: torch.Tensor, groups: int, length: int) -> torch.Tensor:
+    """The inverse of `query_blocks` for a result per row: `[B, Hkv, blocks, G * C, X]` (or `[B, Hkv,
+    blocks, G, C, X]`) -> `[B, Hkv, G, L, X]`."""
+    batch, kv_heads, blocks = blocked.shape[:3]
+    blocked = blocked.reshape(batch, kv_heads, blocks, groups, -1, blocked.shape[-1]).transpose(2, 3)
+    return blocked.reshape(batch, kv_heads, groups, -1, blocked.shape[-1])[..., :length, :]
 
 
 def _windows(x: torch.Tensor, dim: int, span: int, step: int) -> torch.Tensor:
