@@ -291,7 +291,9 @@ def _exit_steps(
     ends = (torch.arange(blocks + 1, device=order.device) * block - 1).clamp_max(length - 1)  # -1, then each block's
     arrived = (sorted_arrival[..., None, :] <= ends[:, None]) & sorted_valid[..., None, :]  # [B, Hkv, blocks + 1, P]
     counted = arrived.to(torch.int32)
-    above = counted.cumsum(-1, dtype=torch.int32) - counted  # arrived valid keys ranked above, by each end
+    del arrived
+    above = counted.cumsum(-1, dtype=torch.int32).sub_(counted)  # arrived valid keys ranked above, by each end
+    del counted
     exit_block = (above < kept).sum(-2)  # 0: K were above before the call; blocks + 1: never K
     within = (exit_block - 1).clamp(0, blocks - 1)  # the block in which the K-th arrives
     start = within * block
