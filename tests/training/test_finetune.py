@@ -256,3 +256,32 @@ def test_lora_setup_raises_no_deprecation_warning_from_peft(tiny_models, tmp_pat
         warnings.simplefilter("always")
         finetune(tiny_config(tiny_models["llama"], tmp_path / "out", transfer_steps=0, finetune_steps=1))
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_finetune_with_bfloat16_mixed_precision_runs_attention_as_one_autocast_operation(
+    tiny_models, tmp_path, monkeypatch
+):
+    """`--mixed-precision bf16` (float32 weights, bfloat16 autocast) on a window hybrid: every training
+    step's attention reads and returns bfloat16 from float32 q and k (what the fused kernels read on a
+    GPU), the losses stay finite and the trained model is saved."""
+    from hf_softmax_rnn.layers import attention as layers
+
+    calls = []
+    attention_op = layers.attention
+
+    def recorded(q, k, v, *args, **kwargs):
+        out, state = attention_op(q, k, v, *args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            calls.append((q.dtype, out.dtype))
+        return out, state
+
+    monkeypatch.setattr(layers, "attention", recorded)
+    out = tmp_path / "out"
+    spec = {"kind": "linear", "feature_map": "hedgehog", "window": 4, "chunk_size": 8}
+    config = tiny_config(tiny_models["llama"], out, attention=json.dumps(spec), mixed_precision="bf16")
+    finetune(config)
+    assert calls and {out_dtype for _, out_dtype in calls} == {torch.bfloat16}
+    assert torch.float32 in {q_dtype for q_dtype, _ in calls}
+    records = read_metrics(out / "metrics.jsonl")
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert (out / "model.safetensors").is_file()
