@@ -552,11 +552,17 @@ def _finite_state(
         new_state.window_keys = keys[..., -spec.window :, :].clone()
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
+        exact, row_max, saliency = None, None, [None]
+        query_valid = key_mask if spec.kept is not None else None
         if flex_inputs is None:
-            query_valid = key_mask if spec.kept is not None else None
             exact, row_max, *saliency = banded_exp_attention(
                 q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
             )
+        elif spec.kept is not None:  # FlexAttention scores the window; the band, without autograd, ranks its keys
+            with torch.no_grad():
+                saliency = banded_exp_attention(
+                    q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
+                )[2:]
         if spec.kept is not None:
             entering_keys, entering, exact, row_max = _kept_part(
                 q,
@@ -583,7 +589,10 @@ def _finite_state(
     if spec.window is None:
         return linear, new_state
     if flex_inputs is not None:
-        exact_and_linear = _flex_window_hybrid(*flex_inputs, key_mask, linear, window_scale, spec, linear_log_scale)
+        kept_part = None if spec.kept is None else (exact, row_max)
+        exact_and_linear = _flex_window_hybrid(
+            *flex_inputs, key_mask, linear, window_scale, spec, linear_log_scale, kept_part
+        )
         return exact_and_linear, new_state
     if spec.sinks is not None:
         old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
@@ -635,14 +644,18 @@ def _kept_part(
     new_state.kept_keys, new_state.kept_values = selection.kept_keys, selection.kept_values
     new_state.kept_scores, new_state.kept_positions = selection.kept_scores, selection.kept_positions
     new_state.kept_valid = selection.kept_valid
+    if exact is None:  # the window's exact part is FlexAttention's, merged later
+        return selection.keys, selection.values, selection.numerator, selection.row_max
     exact, row_max = merge_exact(exact, row_max, selection.numerator, selection.row_max)
     return selection.keys, selection.values, exact, row_max
 
 
-def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale) -> torch.Tensor:
+def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale, kept_part=None) -> torch.Tensor:
     """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state: its exact part
     (window and sinks) in FlexAttention, which reads the caller's q `[B, H, L, D]`, k and v (zero at
-    padding) in the caller's dtype, and `linear` (`[B, Hkv, G, L, Dv + 1]`) beyond them."""
+    padding) in the caller's dtype, and `linear` (`[B, Hkv, G, L, Dv + 1]`) beyond them. `kept_part`:
+    the exact part over the kept keys (numerator `[B, Hkv, G, L, Dv + 1]`, row max `[..., 1]`), merged
+    with the window's under one row max."""
     out, lse = flex_window_attention(
         q.contiguous(),
         k.contiguous(),
@@ -653,5 +666,10 @@ def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale) -> to
         sinks=spec.sinks or 0,
         compiled=q.is_cuda,
     )
-    combined = combine_window_and_linear(out, lse, linear.reshape(*q.shape[:3], -1), log_scale)
-    return combined.view(linear.shape)
+    if kept_part is None:
+        combined = combine_window_and_linear(out, lse, linear.reshape(*q.shape[:3], -1), log_scale)
+        return combined.view(linear.shape)
+    # the window as an exact part shifted by its log-sum-exp: [o_w, 1] under row max l_w
+    window = torch.cat([out, torch.isfinite(lse)[..., None].to(out.dtype)], dim=-1).view(linear.shape)
+    exact, row_max = merge_exact(window.to(linear.dtype), lse.view(*linear.shape[:-1], 1).to(linear.dtype), *kept_part)
+    return exact + linear * mix_weight(log_scale, row_max, linear.shape[1])

@@ -16,7 +16,7 @@ gradients, tested against the float64 references):
 - `"flex"`: the exact part of a sliding-window hybrid (window and sinks) through PyTorch's
   FlexAttention (`ops.flex_window`, compiled; needs triton), when the call starts from an empty
   state and needs none back (training and scoring without a cache); the part older than the
-  window still runs in fla.
+  window still runs in fla, and kept positions (`ops.kept`) add their exact part beside it.
 
 Everything else, every CPU call and every float64 call runs the PyTorch forms. `HF_SOFTMAX_RNN_FUSED_KERNELS=0`
 or `fused_kernels(False)` turns the fused kernels off (for comparisons);
@@ -198,8 +198,6 @@ def window_backend(
 ) -> str | None:
     """ "flex" where the exact window part of a hybrid runs in FlexAttention (`ops.flex_window`), or None."""
     if spec.window is None or not _fused_device(device_type, dtype) or needs_state or not fresh_state:
-        return None
-    if spec.kept is not None:  # the kept keys change step by step: no block mask describes them
         return None
     if os.environ.get(FLEX_ENV_VARIABLE, "1") == "0":
         return None

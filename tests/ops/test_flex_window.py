@@ -166,6 +166,7 @@ FLEX_SPECS = {
     "window": ("hedgehog_window_64", {}),
     "window-sinks": ("hedgehog_window_64_sinks_4", {"sinks": 2}),
     "window-sinks-decay": ("hedgehog_window_64_sinks_4_decay", {"sinks": 2}),
+    "window-sinks-kept-decay": ("hedgehog_window_256_sinks_4_kept_256_decay", {"sinks": 2, "kept": 3}),
 }
 
 
@@ -253,3 +254,33 @@ def test_flex_window_asks_for_the_log_sum_exp_without_a_deprecated_argument():
     want_out, want_lse = window_attention_reference(q, k, v, valid, SCALE, 4)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset, overrides", FLEX_SPECS.values(), ids=FLEX_SPECS.keys())
+def test_the_flex_path_has_the_values_and_gradients_of_the_pytorch_form(monkeypatch, preset, overrides):
+    """Through the stand-ins (FlexAttention's and fla's float64 statements, with their backward), left
+    padding included: outputs and the gradients of q, k, v, the feature maps and the window weight equal
+    the PyTorch form's. With kept positions the band ranks the keys without autograd and the kept keys'
+    exact part is merged with FlexAttention's window under one row max."""
+    use_stand_ins(monkeypatch, flex=True)
+    spec = quiet_preset(preset, window=4, chunk_size=8, **overrides)
+    q, k, v = (x.requires_grad_() for x in _inputs(torch.float32))
+    mask = left_padding_mask(2, LENGTH, PADS)
+    tensors = {name: x.float().requires_grad_() for name, x in make_params(spec, HEADS, KV_HEADS, HEAD_DIM).items()}
+    log_decay = torch.nn.functional.logsigmoid(torch.randn(2, KV_HEADS, LENGTH) + 2)
+    gates = {"decay": log_decay} if spec.decay else {}
+    weights = torch.randn(2, HEADS, LENGTH, HEAD_DIM) * mask[:, None, :, None]
+    leaves = [q, k, v, *tensors.values()]
+    results = {}
+    for fused in (True, False):
+        with backends.fused_kernels(fused):
+            out, _ = attention(q, k, v, spec, mode="chunked", attention_mask=mask, params=as_params(tensors),
+                               gates=gates, return_state=False)  # fmt: skip
+        grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
+        results[fused] = [out * mask[:, None, :, None], *grads]
+    assert len(FlexStandIn.read) == 1
+    for got, want in zip(results[True], results[False], strict=True):
+        if want is None:
+            assert got is None
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
