@@ -259,7 +259,7 @@ def test_lora_setup_raises_no_deprecation_warning_from_peft(tiny_models, tmp_pat
 
 
 def test_finetune_with_bfloat16_mixed_precision_runs_attention_as_one_autocast_operation(
-    tiny_models, tmp_path, monkeypatch
+    tiny_models, tmp_path, monkeypatch, fresh_accelerator_state
 ):
     """`--mixed-precision bf16` (float32 weights, bfloat16 autocast) on a window hybrid: every training
     step's attention reads and returns bfloat16 from float32 q and k (what the fused kernels read on a

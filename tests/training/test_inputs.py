@@ -6,7 +6,6 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
-from accelerate.state import AcceleratorState
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
@@ -157,14 +156,6 @@ def test_spec_file_that_is_not_json_is_refused(tmp_path):
     (tmp_path / "spec.json").write_text("{kind: softmax")
     with pytest.raises(UserInputError, match=r"--attention file '.*spec\.json' is not valid JSON"):
         FinetuneConfig(output_dir=str(tmp_path / "out"), attention=str(tmp_path / "spec.json"))
-
-
-@pytest.fixture
-def fresh_accelerator_state():
-    """Accelerate keeps one state per process; a run with other mixed precision needs a fresh one."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_fp16_without_a_gpu_is_refused(tiny_models, tmp_path, fresh_accelerator_state):
