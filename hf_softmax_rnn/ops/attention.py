@@ -553,16 +553,16 @@ def _finite_state(
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
         exact, row_max, saliency = None, None, [None]
-        query_valid = key_mask if spec.kept is not None else None
-        if flex_inputs is None:
-            exact, row_max, *saliency = banded_exp_attention(
-                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
-            )
-        elif spec.kept is not None:  # FlexAttention scores the window; the band, without autograd, ranks its keys
-            with torch.no_grad():
-                saliency = banded_exp_attention(
+        if flex_inputs is None or spec.kept is not None:
+            # where FlexAttention scores the window, the band runs without autograd only to rank its keys
+            with torch.set_grad_enabled(torch.is_grad_enabled() and flex_inputs is None):
+                query_valid = key_mask if spec.kept is not None else None
+                band = banded_exp_attention(
                     q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
-                )[2:]
+                )
+            saliency = band[2:]
+            if flex_inputs is None:
+                exact, row_max = band[:2]
         if spec.kept is not None:
             entering_keys, entering, exact, row_max = _kept_part(
                 q,
