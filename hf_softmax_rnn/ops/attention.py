@@ -666,10 +666,7 @@ def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale, kept_
         sinks=spec.sinks or 0,
         compiled=q.is_cuda,
     )
-    if kept_part is None:
-        combined = combine_window_and_linear(out, lse, linear.reshape(*q.shape[:3], -1), log_scale)
-        return combined.view(linear.shape)
-    # the window as an exact part shifted by its log-sum-exp: [o_w, 1] under row max l_w
-    window = torch.cat([out, torch.isfinite(lse)[..., None].to(out.dtype)], dim=-1).view(linear.shape)
-    exact, row_max = merge_exact(window.to(linear.dtype), lse.view(*linear.shape[:-1], 1).to(linear.dtype), *kept_part)
-    return exact + linear * mix_weight(log_scale, row_max, linear.shape[1])
+    per_head = (*q.shape[:3], -1)  # [B, Hkv, G, L, X] -> [B, H, L, X]
+    kept = None if kept_part is None else tuple(x.reshape(per_head) for x in kept_part)
+    combined = combine_window_and_linear(out, lse, linear.reshape(per_head), log_scale, kept)
+    return combined.view(linear.shape)

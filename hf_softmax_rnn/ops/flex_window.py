@@ -13,7 +13,8 @@ merges them with the finite-state numerator N and denominator G:
 computed as the augmented numerator [o_w + c N, 1 + c G] with c = e^{lambda - l_w} (capped as in
 `ops.window.mix_weight`): the same row divided by e^{l_w}, which the normalisers allowed with a
 window ignore, so nothing overflows. A row that sees no exact key (padding) has l_w = -inf and
-keeps only the finite-state part.
+keeps only the finite-state part. Kept keys beside the window (`ops.kept`) are a second exact part,
+merged with the window's under one row max first.
 
 `window_attention_reference` is the same (o_w, l_w) as a dense masked softmax, differentiable on
 every device and in float64: the tests' reference, and the stand-in where FlexAttention has no
@@ -28,7 +29,7 @@ import importlib
 
 import torch
 
-from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT
+from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, merge_exact
 
 
 def first_visible(key_valid: torch.Tensor) -> torch.Tensor:
@@ -123,6 +124,7 @@ def combine_window_and_linear(
     window_lse: torch.Tensor,
     linear: torch.Tensor,
     log_scale: torch.Tensor,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The augmented numerator [o_w + c N, 1 + c G] `[B, H, L, Dv + 1]` with c = e^{lambda_h - l_w}
     (capped), i.e. the hybrid's numerator and denominator divided by e^{l_w} per row.
@@ -131,10 +133,14 @@ def combine_window_and_linear(
         window_out, window_lse: o_w `[B, H, L, Dv]` and l_w `[B, H, L]` of the exact part.
         linear: the finite-state part's augmented numerator [N, G] `[B, H, L, Dv + 1]`.
         log_scale: lambda `[H]`, the log weight of the finite-state part.
+        kept: another exact part (the kept keys, `ops.kept`): its numerator `[B, H, L, Dv + 1]` and row
+            max `[B, H, L, 1]` (-inf where a row has none), merged with the window's under one row max m
+            (`ops.window.merge_exact`), which then takes the place of l_w in c.
     """
     finite = torch.isfinite(window_lse)
-    shift = torch.where(finite, window_lse, torch.zeros_like(window_lse))
-    exponent = (log_scale.to(shift.dtype)[:, None] - shift).clamp_max(MAX_MIX_EXPONENT)
-    weight = torch.exp(exponent)[..., None]
+    shift = torch.where(finite, window_lse, torch.zeros_like(window_lse))[..., None]
     exact = torch.cat([window_out, finite[..., None].to(window_out.dtype)], dim=-1)
-    return torch.addcmul(exact, weight.to(linear.dtype), linear)  # in linear's dtype, one pass
+    if kept is not None:
+        exact, shift = merge_exact(exact.to(linear.dtype), shift.to(linear.dtype), *kept)
+    exponent = (log_scale.to(shift.dtype)[:, None, None] - shift).clamp_max(MAX_MIX_EXPONENT)
+    return torch.addcmul(exact, torch.exp(exponent).to(linear.dtype), linear)  # in linear's dtype, one pass

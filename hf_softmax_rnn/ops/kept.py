@@ -156,8 +156,7 @@ def select_kept(
     positions = torch.cat([buffers[3], leaving_positions[:, None, :].expand(-1, kv_heads, -1)], dim=2)
     valid = torch.cat([buffers[4], candidate[:, None, :].expand(-1, kv_heads, -1)], dim=2)
     pool = torch.arange(kept + length, device=q.device)
-    arrival = pool - kept
-    arrival[:kept] = -1
+    arrival = (pool - kept).clamp_min(-1)  # the kept keys before the call at -1, key r at r
     with torch.no_grad():
         exits = _exit_steps(scores, positions, valid, arrival, kept, block, length)
     numerators, maxima = [], []
