@@ -29,6 +29,9 @@ from hf_softmax_rnn.ops.attention import check_padding_mask
 
 logger = logging.getLogger(__name__)
 
+#: The names under which a forward receives a cache (transformers 5 renames `past_key_values`).
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
 #: `config._attn_implementation` of every softmax_rnn model.
 ATTN_IMPLEMENTATION = "softmax_rnn"
 
@@ -104,9 +107,10 @@ def check_positions(position_ids: torch.Tensor | None, attention_mask: torch.Ten
         raise ValueError(f"{message} (row {row}, columns {column}-{column + 1}: positions {found})")
 
 
-def _check_inputs_hook(model, args, kwargs) -> None:
+def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
     """Before each forward: attention weights refused, the padding mask's values (bool or 0/1) and
-    the positions (no packed sequences) checked."""
+    the positions (no packed sequences) checked; in training mode `use_cache` defaults to False
+    (`training_without_cache`)."""
     inputs = {**dict(zip(model._forward_argument_names, args)), **kwargs}
     model._refuse_attention_weights(inputs.get("output_attentions"))
     check_token_ids(inputs.get("input_ids"), model.config.vocab_size)
@@ -118,6 +122,23 @@ def _check_inputs_hook(model, args, kwargs) -> None:
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
     check_positions(inputs.get("position_ids"), attention_mask)
+    return training_without_cache(model, args, kwargs)
+
+
+def training_without_cache(model, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """(args, kwargs with `use_cache=False`) for a forward in training mode that neither asks for a
+    cache nor passes one, else None (inputs unchanged), as transformers' recurrent models (Mamba, RWKV)
+    default. With `config.use_cache` the model would otherwise build every layer's recurrent state
+    (window buffers, the final state) that a training step throws away, and the layers could not take
+    the state-free fused kernels (`hf_softmax_rnn.ops.backends`)."""
+    if not model.training:
+        return None
+    given = {**dict(zip(model._forward_argument_names, args)), **kwargs}
+    if any(given.get(name) is not None for name in ("use_cache", *CACHE_ARGUMENTS)):
+        return None
+    if "use_cache" in model._forward_argument_names[: len(args)]:  # passed as None by position
+        return None
+    return args, {**kwargs, "use_cache": False}
 
 
 def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:

@@ -168,6 +168,49 @@ def test_step_by_step_forward_with_a_bare_dynamic_cache_matches_full_forward(fam
     assert cache.get_seq_length() == 9
 
 
+CACHE_REQUESTS = {
+    "nothing_said": ({}, False),
+    "use_cache_true": ({"use_cache": True}, True),
+    "use_cache_none": ({"use_cache": None}, False),
+    "cache_given": ({"cache": "dynamic"}, True),
+}
+
+
+@pytest.mark.parametrize("preset", ["linear_elu", "hedgehog_window_64"])
+@pytest.mark.parametrize("request_name", list(CACHE_REQUESTS))
+def test_training_mode_builds_a_cache_only_when_asked(family, preset, request_name, monkeypatch):
+    """In training mode a forward that asks for no cache builds none (no recurrent state per layer, so
+    the state-free fused kernels may run), as transformers' recurrent models default; the loss is the
+    one the model computes with use_cache=False."""
+    import hf_softmax_rnn.layers.attention as layer_module
+
+    kwargs, builds_cache = CACHE_REQUESTS[request_name]
+    kwargs = {name: DynamicCache() if value == "dynamic" else value for name, value in kwargs.items()}
+    model = tiny_model(family, preset).train()
+    ids = torch.randint(1, VOCAB, (2, 9))
+    asked_for_state = []
+    original = layer_module.attention
+
+    def recording_attention(*args, **options):
+        asked_for_state.append(options.get("return_state", True))
+        return original(*args, **options)
+
+    monkeypatch.setattr(layer_module, "attention", recording_attention)
+    torch.manual_seed(0)  # (GPT-2's dropout draws the same masks in both forwards)
+    output = model(ids, labels=ids, **kwargs)
+    assert (output.cache is not None) == builds_cache
+    assert asked_for_state == [builds_cache] * 2
+    torch.manual_seed(0)
+    expected = model(ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(output.loss, expected, atol=0, rtol=0)
+
+
+def test_eval_mode_keeps_the_configured_cache(family):
+    model = tiny_model(family, "linear_elu").eval()
+    with torch.no_grad():
+        assert model(torch.randint(1, VOCAB, (1, 5))).cache is not None
+
+
 PACKED_PATHS = {
     "forward_no_cache": lambda model, ids, positions, mask: model(
         ids, position_ids=positions, attention_mask=mask, use_cache=False
