@@ -475,7 +475,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
-            flex_inputs=tuple(x.to(out_dtype) for x in promoted_qkv) if window_fused == "flex" else None,
+            flex_inputs=_flex_inputs(promoted_qkv, out_dtype) if window_fused == "flex" else None,
             fresh_state=fresh_state,
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
@@ -540,15 +540,15 @@ def _finite_state(
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
     entering_keys, entering = keys[..., :length, :], values[..., :length, :]
-    is_sink = torch.zeros_like(valid)
+    is_sink, window_valid = None, valid
     if spec.sinks is not None or spec.kept is not None:
         ranks = visible_ranks(valid, state.t, spec.window)
     if spec.sinks is not None:
         is_sink = valid & (ranks < spec.sinks)
         entering = entering * (~is_sink[:, None, :length, None]).to(values.dtype)
+        window_valid = valid & ~is_sink
     new_state = RecurrentState(packed=packed, t=state.t)
     if spec.window is not None:
-        window_valid = valid & ~is_sink
         new_state.window_keys = keys[..., -spec.window :, :].clone()
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
@@ -650,16 +650,21 @@ def _kept_part(
     return selection.keys, selection.values, exact, row_max
 
 
+def _flex_inputs(qkv: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v as FlexAttention reads them: contiguous in `dtype`, each in one copy at most."""
+    return tuple(x.to(dtype, memory_format=torch.contiguous_format) for x in qkv)
+
+
 def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale, kept_part=None) -> torch.Tensor:
     """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state: its exact part
     (window and sinks) in FlexAttention, which reads the caller's q `[B, H, L, D]`, k and v (zero at
-    padding) in the caller's dtype, and `linear` (`[B, Hkv, G, L, Dv + 1]`) beyond them. `kept_part`:
-    the exact part over the kept keys (numerator `[B, Hkv, G, L, Dv + 1]`, row max `[..., 1]`), merged
-    with the window's under one row max."""
+    padding) in the caller's dtype, contiguous (`_flex_inputs`), and `linear` (`[B, Hkv, G, L, Dv + 1]`)
+    beyond them. `kept_part`: the exact part over the kept keys (numerator `[B, Hkv, G, L, Dv + 1]`, row
+    max `[..., 1]`), merged with the window's under one row max."""
     out, lse = flex_window_attention(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+        q,
+        k,
+        v,
         key_mask,
         scale,
         spec.window,

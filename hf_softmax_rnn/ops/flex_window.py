@@ -137,8 +137,8 @@ def combine_window_and_linear(
             max `[B, H, L, 1]` (-inf where a row has none), merged with the window's under one row max m
             (`ops.window.merge_exact`), which then takes the place of l_w in c.
     """
-    finite = torch.isfinite(window_lse)
-    shift = torch.where(finite, window_lse, torch.zeros_like(window_lse))[..., None]
+    finite = window_lse > float("-inf")  # l_w is finite, or -inf where a row sees no exact key
+    shift = torch.where(finite, window_lse, 0.0)[..., None]
     exact = torch.cat([window_out, finite[..., None].to(window_out.dtype)], dim=-1)
     if kept is not None:
         exact, shift = merge_exact(exact.to(linear.dtype), shift.to(linear.dtype), *kept)

@@ -52,8 +52,13 @@ EXP_SHIFTS = ("row_max", "positive_row_max", None)
 def row_shift(x: torch.Tensor) -> torch.Tensor:
     """The detached row max of masked log-scores `x` (`-inf` where masked) `[..., 1]`; 0 for a row
     with nothing visible, so that exp(x - shift) never overflows and never gives NaN."""
-    row_max = x.amax(-1, keepdim=True).detach()
-    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    return finite_or_zero(x.amax(-1, keepdim=True).detach())
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """`x` with 0 where it is not finite (one operation; `torch.isfinite` and `where` take six on a GPU).
+    For values without a gradient: its backward is `isfinite`'s passes again."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class ExpKernel:

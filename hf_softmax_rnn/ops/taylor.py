@@ -24,7 +24,7 @@ import torch
 
 from hf_softmax_rnn.ops.chunked import Scratch
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kernels import FeatureKernel
+from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero
 
 
 def _wrapped_shifts(head_dim: int) -> int:
@@ -367,8 +367,7 @@ class TaylorKernel(FeatureKernel):
         if self.clamp is not None:
             scores = scores.clamp_max(self.clamp)
         scores = scores.masked_fill(~visible, 0.0)
-        log_max = scores.abs().amax(-1, keepdim=True).detach().log()
-        log_max = torch.where(torch.isfinite(log_max), log_max, torch.zeros_like(log_max))
+        log_max = finite_or_zero(scores.abs().amax(-1, keepdim=True).detach().log())
         if self.shift == "positive_row_max":
             log_max = log_max.clamp_min(0.0)
         return (scores * torch.exp(-log_max)).to(q.dtype), log_max.squeeze(-1).to(q.dtype)
