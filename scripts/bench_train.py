@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import statistics
 import sys
@@ -47,6 +48,7 @@ from hf_softmax_rnn.analysis.bench_report import (
     plot_panels,
     write_bench_report,
 )
+from hf_softmax_rnn.analysis.step_profile import StepProfile, plot_profiles, profile_step, profile_table
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.ops import backends
 
@@ -131,11 +133,15 @@ def _timed_step(trainer: Trainer, ids: torch.Tensor) -> tuple[float | str, int |
 
 
 def run_benchmark(
-    trainers: list[Trainer], vocab_size: int, args, done: Callable[[list[Measurement]], None]
+    trainers: list[Trainer],
+    vocab_size: int,
+    args,
+    done: Callable[[list[Measurement], list[StepProfile]], None],
 ) -> list[Measurement]:
-    """For each length: warm every model up, then time them in interleaved rounds; `done` is handed
-    the measurements so far after each length (a run cut short keeps what finished)."""
-    measurements = []
+    """For each length: warm every model up, then time them in interleaved rounds (and with `--profile`
+    profile one more step of each); `done` is handed the measurements and profiles so far after each
+    length (a run cut short keeps what finished)."""
+    measurements, profiles = [], []
     generator = torch.Generator().manual_seed(0)
     for length in args.lengths:
         batch = args.tokens_per_step // length
@@ -168,7 +174,11 @@ def run_benchmark(
                 )
             logger.info("%s", measurement)
             measurements.append(measurement)
-        done(measurements)
+            if args.profile and trainer.name not in failed:
+                profile = profile_step(functools.partial(trainer.step, ids), trainer.device, trainer.name, length)
+                profile.step_ms = measurement.step_ms
+                profiles.append(profile)
+        done(measurements, profiles)
     return measurements
 
 
@@ -263,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each length compiles during its warm-up steps)",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, one more step of each model under torch.profiler: its kernel time by kind, "
+        "launches and the share of the step the device is busy (OUTPUT/bench_train_profile.{md,json,png})",
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path("bench_train"), help="writes OUTPUT/bench_train.{md,json,png}"
     )
     args = parser.parse_args(argv)
@@ -317,15 +333,24 @@ def main(argv: list[str] | None = None) -> None:
         f"{', activation checkpointing' if args.gradient_checkpointing else ''}"
         f"{', torch.compile' if args.compile else ''}, {hardware}; median of {args.steps}"
     )
-    run_benchmark(trainers, config.vocab_size, args, lambda done: write_report(done, args, title))
+    run_benchmark(trainers, config.vocab_size, args, lambda *done: write_report(*done, args, title))
     print((args.output / "bench_train.md").read_text(), end="")
+    if args.profile:
+        print((args.output / "bench_train_profile.md").read_text(), end="")
 
 
-def write_report(measurements: list[Measurement], args: argparse.Namespace, title: str) -> None:
-    """OUTPUT/bench_train.{md,json,png} for the lengths measured so far."""
+def write_report(
+    measurements: list[Measurement], profiles: list[StepProfile], args: argparse.Namespace, title: str
+) -> None:
+    """OUTPUT/bench_train.{md,json,png} (and bench_train_profile.*) for the lengths measured so far."""
     lengths = [n for n in args.lengths if any(m.length == n for m in measurements)]
     body = [markdown_table(measurements, lengths), "", *summary(measurements)]
     write_bench_report(args.output, "bench_train", title, body, measurements, vars(args), plot)
+    if profiles:
+        kind = "device kernels" if profiles[0].device_type == "cuda" else "aten operators (CPU time)"
+        profile_title = f"{title}; one profiled step each, {kind}; busy = kernel time / median step"
+        body = profile_table(profiles)
+        write_bench_report(args.output, "bench_train_profile", profile_title, body, profiles, vars(args), plot_profiles)
 
 
 if __name__ == "__main__":

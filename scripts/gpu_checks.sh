@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and tables in one run, each stage under a share of a time budget, so that a short
 # lease still brings back what finished, most telling first: whole-model training throughput
-# (bench_train, linear_elu also with fla's rows whole), the window hybrid's op row against fla, the
+# (bench_train, linear_elu also with fla's rows whole, and a profiled step of each model: kernel time
+# by kind, launches, how busy the GPU is), the window hybrid's op row against fla, the
 # FlexAttention window hybrid's tests, the fused-kernel tests, finetune under FSDP2, the CUDA-graph
 # decoding tests, batched decoding at the largest batch that fits (bench_serve), decoding of the
 # finetune default's spec (eager, one CUDA graph, batched at 8,192 tokens of context), its training
@@ -71,9 +72,10 @@ decode=(python scripts/bench_generate.py --device cuda --random-weights --model 
 ops=(python scripts/bench_ops.py --device cuda --lengths 4096 16384 --repeats 3)
 
 if stage bench_train; then  # 4 models (linear_elu twice: rows cut, rows whole) x 3 lengths x 3 steps of 32,768 tokens
-  # (a cold H200 spent over 200 s autotuning before the first length; with AUTOTUNE_CACHE, about 90 s for all)
+  # (a cold H200 spent over 200 s autotuning before the first length; with AUTOTUNE_CACHE, about 90 s for all),
+  # then one profiled step of each: kernel time by kind, launches, how busy the GPU is
   timeout "$(left 240)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
-    --presets linear_elu hedgehog_window_64 --unsegmented linear_elu --output "$results/bench_train"
+    --presets linear_elu hedgehog_window_64 --unsegmented linear_elu --profile --output "$results/bench_train"
 fi
 if stage bench_ops_window; then
   timeout "$(left 60)" "${ops[@]}" --dtype bfloat16 --lengths 16384 --presets hedgehog_window_64 linear_hedgehog fla \
@@ -107,7 +109,7 @@ if stage decode_default; then  # the finetune default's spec (window 256, 4 sink
 fi
 if stage train_default; then  # the finetune default's spec in training: kept selection, sinks, decay; 8,192 tokens a step
   timeout "$(left 120)" python scripts/bench_train.py --device cuda --model "$config" --steps 3 --warmup 1 \
-    --presets hedgehog_window_256_sinks_4_kept_256_decay --lengths 2048 8192 --tokens-per-step 8192 \
+    --presets hedgehog_window_256_sinks_4_kept_256_decay --lengths 2048 8192 --tokens-per-step 8192 --profile \
     --output "$results/bench_train_default"
 fi
 if stage train_compiled; then  # the same training steps through torch.compile (each model compiles in its warm-up)

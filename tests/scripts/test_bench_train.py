@@ -40,6 +40,30 @@ def test_training_throughput_of_the_original_and_converted_models(tmp_path, monk
     assert (output / "bench_train.png").stat().st_size > 0
 
 
+def test_profile_splits_one_step_of_each_model_by_kind(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", *PRESETS, "--lengths", *map(str, LENGTHS)]
+    _load_script(monkeypatch).main(argv + ["--tokens-per-step", "64", "--steps", "1", "--warmup", "1",
+                                           "--profile", "--output", str(output)])  # fmt: skip
+    timed = {
+        (m["model"], m["length"]): m for m in json.loads((output / "bench_train.json").read_text())["measurements"]
+    }
+    profiles = json.loads((output / "bench_train_profile.json").read_text())["measurements"]
+    assert [(p["model"], p["length"]) for p in profiles] == [
+        (name, n) for n in LENGTHS for name in ["transformers", *PRESETS]
+    ]
+    for profile in profiles:
+        assert profile["step_ms"] == timed[profile["model"], profile["length"]]["step_ms"]
+        assert profile["launches"] > 0 and profile["kernel_ms"] > 0
+        assert sum(profile["ms_by_kind"].values()) == pytest.approx(profile["kernel_ms"])
+        assert profile["ms_by_kind"]["matrix products"] > 0
+    by_model = {(p["model"], p["length"]): p["launches"] for p in profiles}
+    assert all(by_model["hedgehog_window_64", n] > by_model["transformers", n] for n in LENGTHS)
+    printed = capsys.readouterr().out
+    assert "| L | model | step ms | kernel ms | busy | launches |" in printed
+    assert (output / "bench_train_profile.png").stat().st_size > 0
+
+
 def test_a_model_that_fails_is_reported_and_the_others_are_timed(tmp_path, monkeypatch, capsys):
     module = _load_script(monkeypatch)
     step = module.Trainer.step
