@@ -93,8 +93,12 @@ class HedgehogKernel(FeatureKernel):
 
     @staticmethod
     def _map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        projected = x @ weight.to(x.dtype)
-        return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
+        """[softmax(xW), softmax(-xW)] as one product with [W, -W] and one softmax over its two halves
+        (no pass for -xW and none to join the halves, forward or backward)."""
+        both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [..., D, 2F], the size of the weights
+        projected = x @ both
+        halves = projected.view(*projected.shape[:-1], 2, -1)
+        return torch.softmax(halves, dim=-1).view(projected.shape)
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
         features, factor = self.query_features_and_factor(q)

@@ -17,6 +17,10 @@ from hf_softmax_rnn.ops import backends
 from hf_softmax_rnn.ops.fla_linear import chunk_simple_gla_reference
 from hf_softmax_rnn.ops.flex_window import window_attention_reference
 
+#: Operations that are not marked as views but return a view of their input (no kernel, no bytes):
+#: `_unsafe_view` reshapes the result of a batched product back to the caller's batch dimensions.
+ALIASING_OPERATIONS = (torch.ops.aten._unsafe_view.default,)
+
 
 class WrittenBytes(TorchDispatchMode):
     """Counts the bytes the operations write (views write none) and the operations that are not views
@@ -38,7 +42,7 @@ class WrittenBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.paused and not func.is_view:
+        if not self.paused and not func.is_view and func not in ALIASING_OPERATIONS:
             self.operations += 1
             outputs = out if isinstance(out, (tuple, list)) else [out]
             self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))

@@ -224,11 +224,12 @@ def test_the_flex_switch_keeps_the_banded_window(monkeypatch):
 def test_bfloat16_hybrid_reads_the_caller_s_tensors_in_flex_and_writes_little_beside_the_kernels(monkeypatch):
     """SmolLM2's heads (9 query, 3 KV, 64 wide) in bfloat16, `hedgehog_window_64` through fla and FlexAttention
     (stand-ins that keep what the kernels keep): FlexAttention reads the caller's q, k, v (not copies made
-    back from float32), the PyTorch around the kernels writes under 135,000 bytes per token forward and
-    backward (150,300 when FlexAttention read copies, the query features were multiplied by the scale in a
-    pass of their own and the merge took three passes) in under 140 operations (each a kernel launch on a
-    GPU; 141 when the merge tested finiteness in four and a spec without sinks masked none out in three),
-    and the outputs are the PyTorch form's to bfloat16 rounding."""
+    back from float32), the PyTorch around the kernels writes under 120,000 bytes per token forward and
+    backward (146,806 when FlexAttention read copies, the query features were multiplied by the scale in a
+    pass of their own and the merge took three passes; 125,314 when the hedgehog map negated and joined
+    its halves in passes of their own) in under 135 operations (each a kernel launch on a GPU; 139 when,
+    besides, the merge tested finiteness in four and a spec without sinks masked none out in three), and
+    the outputs are the PyTorch form's to bfloat16 rounding."""
     use_stand_ins(monkeypatch, flex=True)
     spec, length = quiet_preset("hedgehog_window_64"), 1024
     q, k, v, _ = make_inputs(batch=1, heads=9, kv_heads=3, length=length, head_dim=64, dtype=torch.bfloat16)
@@ -239,8 +240,8 @@ def test_bfloat16_hybrid_reads_the_caller_s_tensors_in_flex_and_writes_little_be
         fused, _ = attention(*leaves, spec, mode="chunked", return_state=False, params=params)
         fused.float().sum().backward()
     assert [tuple(x.data_ptr() for x in read) for read in FlexStandIn.read] == [tuple(x.data_ptr() for x in leaves)]
-    assert counter.bytes / length < 135_000, counter.bytes / length
-    assert counter.operations < 140, counter.operations
+    assert counter.bytes / length < 120_000, counter.bytes / length
+    assert counter.operations < 135, counter.operations
     with backends.fused_kernels(False):
         plain, _ = attention(*leaves, spec, mode="chunked", return_state=False, params=params)
     torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)

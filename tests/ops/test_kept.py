@@ -348,7 +348,7 @@ def test_a_layer_of_the_default_spec_launches_few_operations_beside_fla(monkeypa
     heads and 1,024 tokens, forward and backward, on the GPU path (the stand-ins for fla, which runs the
     decayed part older than the window, and for FlexAttention): under 1,000 operations outside the
     kernels (each a kernel launch on a GPU; the block-by-block selection beside the PyTorch band took
-    1,839)."""
+    1,727)."""
     use_stand_ins(monkeypatch, flex=True)
     spec = quiet_preset("hedgehog_window_256_sinks_4_kept_256_decay")
     q, k, v, logits = make_inputs(batch=1, heads=9, kv_heads=3, length=1024, head_dim=64, dtype=torch.bfloat16)

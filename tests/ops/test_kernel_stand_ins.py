@@ -1,0 +1,22 @@
+"""The counters of `kernel_stand_ins`: what they count is what a GPU would launch and write."""
+
+import torch
+
+from .kernel_stand_ins import WrittenBytes, saved_bytes
+
+
+def test_written_bytes_count_products_and_copies_but_not_reshapes():
+    """A batched product over leading dimensions (bmm, then `_unsafe_view` back to them) writes its result
+    once; a transpose writes nothing; a copy writes its size; an in-place update writes its target."""
+    a, b = torch.randn(2, 3, 16, 8), torch.randn(8, 4)
+    with WrittenBytes() as counter:
+        product = a @ b  # [2, 3, 16, 4] float32
+    assert (counter.operations, counter.bytes) == (1, product.numel() * 4)
+    with WrittenBytes() as counter:
+        product.transpose(1, 2).contiguous().mul_(2.0)
+    assert (counter.operations, counter.bytes) == (2, 2 * product.numel() * 4)
+
+
+def test_saved_bytes_count_each_storage_once():
+    x = torch.randn(64, 64, requires_grad=True)
+    assert saved_bytes(lambda: (x * x).sum()) == 64 * 64 * 4
