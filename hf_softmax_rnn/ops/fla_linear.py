@@ -86,7 +86,8 @@ def fla_chunked_linear_attention(
         return numerator.to(q.dtype), final_state
     # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
     # of them, the one fla keeps, not a float32 one beside it
-    weighted_k = phi_k * v[..., -1:].to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
+    # the weight column is the padding mask: no gradient to send back (nor a zero-filled one to add)
+    weighted_k = phi_k * v[..., -1:].detach().to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
     running_z = state[..., None, :, -1] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
     grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
     denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True) * factor  # in the state's dtype
