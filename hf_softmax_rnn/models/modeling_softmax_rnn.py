@@ -122,21 +122,19 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
     check_positions(inputs.get("position_ids"), attention_mask)
-    return training_without_cache(model, args, kwargs)
+    return training_without_cache(model, inputs, args, kwargs)
 
 
-def training_without_cache(model, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """(args, kwargs with `use_cache=False`) for a forward in training mode that neither asks for a
-    cache nor passes one, else None (inputs unchanged), as transformers' recurrent models (Mamba, RWKV)
-    default. With `config.use_cache` the model would otherwise build every layer's recurrent state
-    (window buffers, the final state) that a training step throws away, and the layers could not take
-    the state-free fused kernels (`hf_softmax_rnn.ops.backends`)."""
-    if not model.training:
+def training_without_cache(model, inputs: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """(args, kwargs with `use_cache=False`) for a forward in training mode whose `inputs` (args and
+    kwargs by name) neither ask for a cache nor pass one, else None (inputs unchanged), as transformers'
+    recurrent models (Mamba, RWKV) default. With `config.use_cache` the model would otherwise build every
+    layer's recurrent state (window buffers, the final state) that a training step throws away, and the
+    layers could not take the state-free fused kernels (`hf_softmax_rnn.ops.backends`)."""
+    said = ("use_cache", *CACHE_ARGUMENTS)
+    if not model.training or any(name in model._forward_argument_names[: len(args)] for name in said):
         return None
-    given = {**dict(zip(model._forward_argument_names, args)), **kwargs}
-    if any(given.get(name) is not None for name in ("use_cache", *CACHE_ARGUMENTS)):
-        return None
-    if "use_cache" in model._forward_argument_names[: len(args)]:  # passed as None by position
+    if any(inputs.get(name) is not None for name in said):
         return None
     return args, {**kwargs, "use_cache": False}
 

@@ -5,6 +5,8 @@ SmolLM2-135M's attention shape under bfloat16 autocast, called as a training loo
 are the stand-ins of `tests/ops/kernel_stand_ins.py`, which keep what the kernels keep and are not
 counted. One layer's share is the difference between a two-layer and a one-layer model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -13,26 +15,20 @@ from hf_softmax_rnn import convert
 
 from ..ops.kernel_stand_ins import WrittenBytes, use_stand_ins
 
-#: SmolLM2-135M's layer (9 query heads, 3 KV heads, 64 wide), a small vocabulary.
-SHAPE = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+#: SmolLM2-135M's shape (9 query heads, 3 KV heads, 64 wide), with a small vocabulary.
+CONFIG = Path(__file__).resolve().parents[2] / "scripts" / "smollm2_135m_config"
+VOCAB = 256
 BATCH, LENGTH = 2, 256
 
 
 def _step_traffic(name: str, layers: int) -> WrittenBytes:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, num_hidden_layers=layers, attn_implementation="sdpa"))
+    config = LlamaConfig.from_pretrained(CONFIG, num_hidden_layers=layers, vocab_size=VOCAB)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     if name != "transformers":
         model = convert(model, name, attention_mode="chunked")
     model.train()
-    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
