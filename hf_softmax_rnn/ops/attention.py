@@ -22,7 +22,7 @@ from hf_softmax_rnn.ops.normalizers import normalize
 from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
 from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
-from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_weight
+from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_weight, window_saliency
 from hf_softmax_rnn.ops.window_step import window_hybrid_step
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -552,17 +552,15 @@ def _finite_state(
         new_state.window_keys = keys[..., -spec.window :, :].clone()
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
-        exact, row_max, saliency = None, None, [None]
-        if flex_inputs is None or spec.kept is not None:
-            # where FlexAttention scores the window, the band runs without autograd only to rank its keys
-            with torch.set_grad_enabled(torch.is_grad_enabled() and flex_inputs is None):
-                query_valid = key_mask if spec.kept is not None else None
-                band = banded_exp_attention(
-                    q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
-                )
-            saliency = band[2:]
-            if flex_inputs is None:
-                exact, row_max = band[:2]
+        exact, row_max, saliency = None, None, None
+        if flex_inputs is None:
+            query_valid = key_mask if spec.kept is not None else None
+            band = banded_exp_attention(
+                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
+            )
+            exact, row_max, saliency = (*band, None)[:3]
+        elif spec.kept is not None:  # FlexAttention scores the window: the band only ranks its keys
+            saliency = window_saliency(q, keys, window_valid, window_scale, spec.window, spec.chunk_size, key_mask)
         if spec.kept is not None:
             entering_keys, entering, exact, row_max = _kept_part(
                 q,
@@ -570,7 +568,7 @@ def _finite_state(
                 entering,
                 ranks,
                 window_valid,
-                saliency[0],
+                saliency,
                 exact,
                 row_max,
                 state,

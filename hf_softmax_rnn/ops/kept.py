@@ -320,7 +320,7 @@ def _blocked_exact_part(
     `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
     `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
     batch, kv_heads, groups, length, _ = q.shape
-    x = (scale * (query_blocks(q, blocks, block) @ keys.mT)).view(batch, kv_heads, blocks, groups, block, -1)
+    x = ((query_blocks(q, blocks, block) * scale) @ keys.mT).view(batch, kv_heads, blocks, groups, block, -1)
     seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
     x = x.masked_fill(~seen, float("-inf"))
     shift = row_shift(x)

@@ -72,7 +72,7 @@ class ExpKernel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scores / e^shift `[B, Hkv, G, Lq, Lk]`, zero where `visible` (broadcastable bool) is
         False; the shift `[B, Hkv, G, Lq]`, or None when not shifted)."""
-        x = self.scale * grouped_matmul(q, k.mT)
+        x = grouped_matmul(q * self.scale, k.mT)  # (q scaled: D wide, not Lk)
         if self.clamp is not None:
             x = x.clamp_max(self.clamp)
         x = x.masked_fill(~visible, float("-inf"))

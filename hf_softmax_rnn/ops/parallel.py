@@ -64,7 +64,7 @@ def parallel_scores(
     near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
     sink = torch.zeros_like(key_mask) if sinks is None else sink_mask(key_mask, sinks)
     near = near | (visible & sink[:, None, None, None, :])
-    x = window_scale * grouped_matmul(q, k.mT)
+    x = grouped_matmul(q * window_scale, k.mT)
     entry = None
     if kept is not None:
         in_window = near & ~sink[:, None, None, None, :]

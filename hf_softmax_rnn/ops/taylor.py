@@ -379,7 +379,7 @@ class TaylorKernel(FeatureKernel):
         return taylor_features(k * self.root, self.order)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return taylor_exp(self.scale * grouped_matmul(q, k.mT), self.order)
+        return taylor_exp(grouped_matmul(q * self.scale, k.mT), self.order)
 
     # ------------------------------------------------------------------ the ops.chunked engine
     def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:

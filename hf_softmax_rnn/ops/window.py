@@ -49,26 +49,53 @@ def banded_exp_attention(
         (`[B, Hkv, G, L, Dv']` window numerator, `[B, Hkv, G, L, 1]` row max m, detached; 0 where a
         query sees no valid key) and with `query_valid` `[B, Hkv, W + L]` saliencies (detached).
     """
-    batch, kv_heads, groups, length, head_dim = q.shape
+    batch, kv_heads, groups, length, _ = q.shape
     block = max(1, min(block, length))
-    blocks = -(-length // block)
-    pad, span = blocks * block - length, block + window
-    q = query_blocks(q, blocks, block)
-    key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
-    value_blocks = _windows(F.pad(values, (0, 0, 0, pad)), 2, span, block)
-    valid_blocks = _windows(F.pad(key_valid, (0, pad)), 1, span, block)
-    rows = torch.arange(block, device=q.device)[:, None]
-    cols = torch.arange(span, device=q.device)[None, :]
-    visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
-    x = (scale * (q @ key_blocks)).view(batch, kv_heads, blocks, groups, block, span)
-    x = x.masked_fill(~visible, float("-inf"))  # [B, Hkv, blocks, G, C, C + W]
-    row_max = row_shift(x)
-    weights = torch.exp(x - row_max)
+    weights, row_max = _band_weights(q, keys, key_valid, scale, window, block)
+    blocks, span = weights.shape[2], weights.shape[-1]
+    value_blocks = _windows(F.pad(values, (0, 0, 0, blocks * block - length)), 2, span, block)
     numerator = weights.view(batch, kv_heads, blocks, groups * block, span) @ value_blocks.mT
     numerator, row_max = per_query(numerator, groups, length), per_query(row_max, groups, length)
     if query_valid is None:
         return numerator, row_max
     return numerator, row_max, _saliency(weights.detach().transpose(2, 3), query_valid, block, window, length)
+
+
+def window_saliency(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    window: int,
+    block: int,
+    query_valid: torch.Tensor,
+) -> torch.Tensor:
+    """`[B, Hkv, W + L]` the saliencies `banded_exp_attention` returns with `query_valid`, without its
+    numerator (the window's exact part computed elsewhere, FlexAttention's); no autograd."""
+    block = max(1, min(block, q.shape[-2]))
+    with torch.no_grad():
+        weights, _ = _band_weights(q, keys, key_valid, scale, window, block)
+        return _saliency(weights.transpose(2, 3), query_valid, block, window, q.shape[-2])
+
+
+def _band_weights(
+    q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scale: float, window: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e^{x - m} `[B, Hkv, blocks, G, C, C + W]`, 0 where masked; m `[B, Hkv, blocks, G * C, 1]`, detached)
+    of each block of C queries against its C + W keys (arguments as `banded_exp_attention`'s)."""
+    batch, kv_heads, groups, length, _ = q.shape
+    blocks = -(-length // block)
+    pad, span = blocks * block - length, block + window
+    q = query_blocks(q, blocks, block)
+    key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
+    valid_blocks = _windows(F.pad(key_valid, (0, pad)), 1, span, block)
+    rows = torch.arange(block, device=q.device)[:, None]
+    cols = torch.arange(span, device=q.device)[None, :]
+    visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
+    x = ((q * scale) @ key_blocks).view(batch, kv_heads, blocks, groups, block, span)  # (scaled: D wide, not C + W)
+    x = x.masked_fill(~visible, float("-inf"))  # [B, Hkv, blocks, G, C, C + W]
+    row_max = row_shift(x)
+    return torch.exp(x - row_max), row_max.view(batch, kv_heads, blocks, groups * block, 1)
 
 
 def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
@@ -102,8 +129,8 @@ def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, wind
     from the blocks' e^{x - m} `[B, Hkv, G, blocks, C, C + W]` (0 where masked)."""
     batch, kv_heads, _, blocks, _, span = weights.shape
     queries = F.pad(query_valid, (0, blocks * block - length)).view(batch, 1, 1, blocks, block, 1)
-    probabilities = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
-    per_block = (probabilities * queries).amax(dim=(2, 4))  # [B, Hkv, blocks, C + W]
+    factor = queries / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)  # 0 at padding
+    per_block = (weights * factor).amax(dim=(2, 4))  # [B, Hkv, blocks, C + W]: one pass over the weights
     index = torch.arange(blocks, device=weights.device)[:, None] * block + torch.arange(span, device=weights.device)
     out = weights.new_zeros(batch, kv_heads, blocks * block + window)
     out.scatter_reduce_(-1, index.flatten().expand(batch, kv_heads, -1), per_block.flatten(-2), "amax")
@@ -124,7 +151,7 @@ def masked_exp_part(
         (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max m, detached; -inf where a query
         sees none of the keys), as `merge_exact` takes them.
     """
-    x = (scale * grouped_matmul(q, keys.mT)).masked_fill(~visible, float("-inf"))
+    x = grouped_matmul(q * scale, keys.mT).masked_fill(~visible, float("-inf"))
     shift = row_shift(x)
     empty = ~visible.any(-1, keepdim=True)
     return grouped_matmul(torch.exp(x - shift), values), shift.masked_fill(empty, float("-inf"))

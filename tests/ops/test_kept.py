@@ -343,12 +343,14 @@ def test_the_selection_of_a_call_takes_a_bounded_number_of_operations(length):
     assert selection.kept_valid.sum().item() == kv_heads * min(kept, length)
 
 
-def test_a_layer_of_the_default_spec_launches_few_operations_beside_fla(monkeypatch):
+def test_a_layer_of_the_default_spec_launches_and_writes_little_beside_the_kernels(monkeypatch):
     """One bfloat16 call of the finetune default's spec (window 256, 4 sinks, 256 kept, decay) at SmolLM2's
     heads and 1,024 tokens, forward and backward, on the GPU path (the stand-ins for fla, which runs the
     decayed part older than the window, and for FlexAttention): under 1,000 operations outside the
     kernels (each a kernel launch on a GPU; the block-by-block selection beside the PyTorch band took
-    1,727)."""
+    1,727), writing under 360,000 bytes per token (397,894 when the band computed a numerator that
+    FlexAttention's window replaces only to rank the window's keys, and the scores were scaled after
+    their product, C + W wide, instead of the queries before it, D wide)."""
     use_stand_ins(monkeypatch, flex=True)
     spec = quiet_preset("hedgehog_window_256_sinks_4_kept_256_decay")
     q, k, v, logits = make_inputs(batch=1, heads=9, kv_heads=3, length=1024, head_dim=64, dtype=torch.bfloat16)
@@ -359,6 +361,7 @@ def test_a_layer_of_the_default_spec_launches_few_operations_beside_fla(monkeypa
         out, _ = attention(*leaves, spec, mode="chunked", gates=gates, params=params, return_state=False)
         out.float().sum().backward()
     assert counter.operations < 1000, counter.operations
+    assert counter.bytes / 1024 < 360_000, counter.bytes / 1024
     assert all(torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
