@@ -169,10 +169,21 @@ def recurrent_linear_attention(
     phi_k = kernel.key_features(k)
     outputs = []
     for t in range(q.shape[-2]):
-        update = phi_k[..., t, :, None] @ v[..., t, None, :]
         if log_decay is not None:
             factor = log_decay[..., t, None, None].exp()
             state = state.mul_(factor) if in_place else state * factor
-        state = state.add_(update) if in_place else state + update
+        state = _add_outer_product(state, phi_k[..., t, :], v[..., t, :], in_place)
         outputs.append(phi_q[..., t, :] @ state)
     return torch.stack(outputs, dim=-2), state
+
+
+def _add_outer_product(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """state `[B, Hkv, F, Dv']` + key `[B, Hkv, F]` value^T `[B, Hkv, Dv']` as one batched product-and-add,
+    which writes the state once (a product, then an addition, would write it twice)."""
+    rows, columns = key.reshape(-1, key.shape[-1], 1), value.reshape(-1, 1, value.shape[-1])
+    if in_place and state.is_contiguous():
+        state.view(-1, *state.shape[-2:]).baddbmm_(rows, columns)
+        return state
+    if in_place:
+        return state.add_(key[..., :, None] * value[..., None, :])
+    return torch.baddbmm(state.reshape(-1, *state.shape[-2:]), rows, columns).view(state.shape)

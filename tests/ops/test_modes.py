@@ -141,10 +141,11 @@ def test_property_modes_agree(name, batch, kv_heads, groups, length, head_dim, c
     torch.testing.assert_close(recurrent, parallel, rtol=1e-7, atol=1e-8)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
 @pytest.mark.parametrize("name", ["linear_elu", "softmax_taylor_2", "hedgehog_window_64"])
-def test_recurrent_state_updated_in_place_matches_a_new_state(name):
-    """Decoding without autograd may add to the state itself: same outputs, same new state, and the
-    returned state holds the tensor that was passed in."""
+def test_recurrent_state_updated_in_place_matches_a_new_state(name, layout):
+    """Decoding without autograd may add to the state itself (one batched product-and-add where it is
+    contiguous): same outputs, same new state, and the returned state holds the tensor that was passed in."""
     spec = FINITE_SPECS[name]
     q, k, v, _ = make_inputs(length=5)
     params = as_params(make_params(spec))
@@ -154,7 +155,7 @@ def test_recurrent_state_updated_in_place_matches_a_new_state(name):
     step = dict(attention_mask=mask, params=params, mode="recurrent")
     with torch.no_grad():
         expected, expected_state = attention(q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], spec, state=prefilled, **step)
-        packed = prefilled.packed.clone()
+        packed = prefilled.packed.clone() if layout == "contiguous" else prefilled.packed.mT.contiguous().mT
         prefilled.packed = packed
         out, state = attention(
             q[..., 4:, :], k[..., 4:, :], v[..., 4:, :], spec, state=prefilled, update_state_in_place=True, **step

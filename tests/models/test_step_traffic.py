@@ -1,15 +1,16 @@
-"""What one decoder layer of a converted model adds to a training step on the GPU path: operations
-(each a kernel launch on a GPU) and bytes written beside the fused kernels, forward and backward, at
-SmolLM2-135M's attention shape under bfloat16 autocast, called as a training loop calls a model
-(`model(input_ids, labels=...)` in training mode, nothing said about a cache). fla and FlexAttention
-are the stand-ins of `tests/ops/kernel_stand_ins.py`, which keep what the kernels keep and are not
-counted. One layer's share is the difference between a two-layer and a one-layer model."""
+"""What one decoder layer of a converted model adds to a training step and to a decoding step on the
+GPU path: operations (each a kernel launch on a GPU) and bytes written beside the fused kernels, at
+SmolLM2-135M's attention shape. Training: bfloat16 autocast, forward and backward, called as a training
+loop calls a model (`model(input_ids, labels=...)` in training mode, nothing said about a cache), with
+fla and FlexAttention the stand-ins of `tests/ops/kernel_stand_ins.py`, which keep what the kernels keep
+and are not counted. Decoding: a bfloat16 model, one token for each of 64 sequences after a prefill.
+One layer's share is the difference between a two-layer and a one-layer model."""
 
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_softmax_rnn import convert
 
@@ -66,3 +67,31 @@ def test_a_converted_layer_adds_few_operations_to_a_training_step(name, monkeypa
     max_operations, max_bytes = EXTRA_BOUNDS[name]
     assert operations - original_operations <= max_operations, (operations, original_operations)
     assert written - original_bytes <= max_bytes, (written, original_bytes)
+
+
+#: Upper bounds on the bytes one layer writes per sequence in a decoding step (64 sequences, 300 tokens of
+#: context; the original's KV layer writes 277,000 here, its cache growing by a copy every step). The
+#: hedgehog map's product broadcast over the batch copied its weights once per sequence, and the state took
+#: a product and an addition (two writes) instead of one product-and-add: 165,378 (linear_elu) and 798,024.
+DECODE_BOUNDS = {"linear_elu": 120_000, "hedgehog_window_64": 320_000}
+SEQUENCES = 64
+
+
+def _decode_traffic(name: str, layers: int) -> WrittenBytes:
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(CONFIG, num_hidden_layers=layers, vocab_size=VOCAB)
+    model = convert(LlamaForCausalLM._from_config(config, dtype=torch.bfloat16), name).eval()
+    ids = torch.randint(0, VOCAB, (SEQUENCES, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        model(input_ids=token, cache=cache, use_cache=True)
+        with WrittenBytes() as counter:
+            model(input_ids=token, cache=cache, use_cache=True)
+    return counter
+
+
+@pytest.mark.parametrize("name", list(DECODE_BOUNDS))
+def test_a_converted_layer_writes_little_per_sequence_in_a_decoding_step(name):
+    written = (_decode_traffic(name, 2).bytes - _decode_traffic(name, 1).bytes) / SEQUENCES
+    assert written <= DECODE_BOUNDS[name], written
