@@ -96,8 +96,9 @@ class HedgehogKernel(FeatureKernel):
         """[softmax(xW), softmax(-xW)] of x `[B, *heads, L, D]`, weight `[*heads, D, F]`: one product with
         [W, -W] and one softmax over the two halves (no pass for -xW and none to join them, forward or
         backward). A product broadcast over B copies the weights B times, which costs less than a copy of
-        x where L >= 2F (training, prefill); for shorter calls (decoding: 0.6 GB a layer at SmolLM2's heads
-        for 4,096 sequences) the batch is folded into the rows of one product per head instead."""
+        x where L >= 2F (training, prefill); for shorter calls (decoding: 0.8 GB a layer, queries and keys,
+        at SmolLM2's heads for 4,096 sequences in bfloat16) the batch is folded into the rows of one product
+        per head instead."""
         both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [*heads, D, 2F], the size of the weights
         if x.shape[-2] >= both.shape[-1]:
             return torch.softmax((x @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
