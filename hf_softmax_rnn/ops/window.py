@@ -12,6 +12,8 @@ per-row factor, so the shift changes nothing else.
 `banded_exp_attention` computes the exact part for L new queries from the keys of the last
 W positions before them (the window buffer of the state) and their own, block by block: each
 block of C queries meets C + W keys, so time and memory are O(L (C + W)), never L x L.
+`window_saliency` runs its scores alone, for the saliencies that rank the window's keys (`ops.kept`)
+where another kernel computes the exact part itself.
 """
 
 from __future__ import annotations
