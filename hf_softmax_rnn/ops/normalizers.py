@@ -19,7 +19,7 @@ DETACH_EPS = 1e-4
 
 def _safe(denominator: torch.Tensor) -> torch.Tensor:
     """Rows that see no position (left padding) have G = 0 and N = 0: divide by 1 there."""
-    return torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return torch.where(denominator == 0, 1.0, denominator)
 
 
 def _over(n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
