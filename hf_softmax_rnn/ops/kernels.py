@@ -52,7 +52,7 @@ EXP_SHIFTS = ("row_max", "positive_row_max", None)
 def row_shift(x: torch.Tensor) -> torch.Tensor:
     """The detached row max of masked log-scores `x` (`-inf` where masked) `[..., 1]`; 0 for a row
     with nothing visible, so that exp(x - shift) never overflows and never gives NaN."""
-    return finite_or_zero(x.amax(-1, keepdim=True).detach())
+    return finite_or_zero(x.detach().amax(-1, keepdim=True))  # (no autograd node keeping x)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,16 +74,31 @@ def inside_kernel():
             counter.paused = False
 
 
+class _Saved:
+    """A tensor as autograd keeps it for the backward pass; freed with the node that saved it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 def saved_bytes(function) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of `function()`."""
-    storages = {}
+    """Bytes of the distinct storages autograd keeps for the backward pass of `function()`: those of the
+    nodes still alive when it returns (a node whose result was detached at once is freed with it)."""
+    saved: list[weakref.ref] = []
 
     def pack(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
+        box = _Saved(tensor.detach())  # (the tensor itself would tie a saved output to its own node: a cycle)
+        saved.append(weakref.ref(box))
+        return box
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        function()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        result = function()
+    storages = {}
+    for box in filter(None, (ref() for ref in saved)):
+        storages[box.tensor.untyped_storage().data_ptr()] = box.tensor.untyped_storage().nbytes()
+    del result
     return sum(storages.values())
 
 

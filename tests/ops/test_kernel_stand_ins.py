@@ -17,6 +17,9 @@ def test_written_bytes_count_products_and_copies_but_not_reshapes():
     assert (counter.operations, counter.bytes) == (2, 2 * product.numel() * 4)
 
 
-def test_saved_bytes_count_each_storage_once():
+def test_saved_bytes_count_each_storage_once_and_only_what_the_graph_keeps():
+    """x saved twice counts once; a node whose result is detached at once (a row max taken for a shift)
+    is freed with it, and so is what it saved."""
     x = torch.randn(64, 64, requires_grad=True)
     assert saved_bytes(lambda: (x * x).sum()) == 64 * 64 * 4
+    assert saved_bytes(lambda: (x.exp().amax(-1).detach(), x * 2)) == 0
