@@ -21,6 +21,11 @@ reported as such.
 rows over 2,048 tokens into segments that run side by side (CUDA with fla-core only; elsewhere the
 two rows run the same code).
 
+Each model is called as a training loop calls it, `model(input_ids=ids, labels=ids)` in training
+mode (the converted models then build no cache). `--profile` profiles one more step of each model
+at each length (`hf_softmax_rnn.analysis.step_profile`): kernel time by kind, launches, and the share
+of the median step the device is busy (OUTPUT/bench_train_profile.{md,json,png}).
+
 Targets: hedgehog_window_64 at >= 0.9x the original's tokens/s at L = 2,048, >= 1.3x
 at 8,192 and >= 2x at 32,768; linear_elu at least as fast.
 """
