@@ -137,6 +137,18 @@ def _timed_step(trainer: Trainer, ids: torch.Tensor) -> tuple[float | str, int |
     return error, None
 
 
+def _profiled_step(trainer: Trainer, ids: torch.Tensor, step_ms: float | None) -> list[StepProfile]:
+    """[the profile of one more step], or [] where that step fails (logged; the other models go on)."""
+    try:
+        profile = profile_step(functools.partial(trainer.step, ids), trainer.device, trainer.name, ids.shape[-1])
+    except Exception:  # noqa: BLE001 (out of memory under the profiler, or a kernel's error)
+        logger.exception("%s: the profiled step failed at L=%d; left out of the profile", trainer.name, ids.shape[-1])
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return []
+    profile.step_ms = step_ms
+    return [profile]
+
+
 def run_benchmark(
     trainers: list[Trainer],
     vocab_size: int,
@@ -180,9 +192,7 @@ def run_benchmark(
             logger.info("%s", measurement)
             measurements.append(measurement)
             if args.profile and trainer.name not in failed:
-                profile = profile_step(functools.partial(trainer.step, ids), trainer.device, trainer.name, length)
-                profile.step_ms = measurement.step_ms
-                profiles.append(profile)
+                profiles += _profiled_step(trainer, ids, measurement.step_ms)
         done(measurements, profiles)
     return measurements
 

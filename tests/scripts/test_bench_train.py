@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from hf_softmax_rnn.ops import backends
@@ -62,6 +63,27 @@ def test_profile_splits_one_step_of_each_model_by_kind(tmp_path, monkeypatch, ca
     printed = capsys.readouterr().out
     assert "| L | model | step ms | kernel ms | busy | launches |" in printed
     assert (output / "bench_train_profile.png").stat().st_size > 0
+
+
+def test_a_profiled_step_that_fails_is_left_out_and_the_others_are_profiled(tmp_path, monkeypatch):
+    module = _load_script(monkeypatch)
+    step, calls = module.Trainer.step, {}
+
+    def failing_on_its_last_step(self, ids):
+        calls[self.name] = calls.get(self.name, 0) + 1
+        if self.name == "linear_elu" and calls[self.name] == 3:  # warm-up, timed, profiled
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return step(self, ids)
+
+    monkeypatch.setattr(module.Trainer, "step", failing_on_its_last_step)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", *PRESETS, "--lengths", "16"]
+    module.main(argv + ["--tokens-per-step", "32", "--steps", "1", "--warmup", "1", "--profile",
+                        "--output", str(output)])  # fmt: skip
+    profiles = json.loads((output / "bench_train_profile.json").read_text())["measurements"]
+    assert [p["model"] for p in profiles] == ["transformers", "hedgehog_window_64"]
+    timed = json.loads((output / "bench_train.json").read_text())["measurements"]
+    assert all(m["tokens_per_s"] > 0 for m in timed)
 
 
 def test_a_model_that_fails_is_reported_and_the_others_are_timed(tmp_path, monkeypatch, capsys):
