@@ -579,7 +579,7 @@ def _finite_state(
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay
+            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay, fresh_state
         )
     else:
         linear, packed = recurrent_linear_attention(q, entering_keys, entering, packed, kernel, in_place, log_decay)

@@ -52,6 +52,12 @@ def _time_major(x: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Te
     return _even(x.to(dtype, memory_format=torch.contiguous_format).contiguous(), -1)
 
 
+def _initial_state(state: torch.Tensor, group: int) -> torch.Tensor:
+    """`[B, Hkv, F, V]` -> fla's contiguous `[B, Hkv * group, F', V']`, each head repeated `group` times and
+    odd widths padded to even."""
+    return _even(_even(state.repeat_interleave(group, dim=1), -1), -2).contiguous()
+
+
 def fla_chunked_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,9 +67,11 @@ def fla_chunked_linear_attention(
     io_dtype: torch.dtype,
     chunk_function: Callable,
     log_decay: torch.Tensor | None = None,
+    empty_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the final state, in q's dtype; `log_decay`
-    `[B, Hkv, L]` decays the state (None = no decay)."""
+    `[B, Hkv, L]` decays the state (None = no decay). `empty_state`: `state` is zero (a call from the
+    start), so fla gets no initial state and the denominator adds no initial z."""
     batch, kv_heads, group, length, _ = q.shape
     heads, (features, width) = kv_heads * group, state.shape[-2:]
     # with a decay the weight column goes through fla with the values (z decays with S); without, z is
@@ -77,7 +85,7 @@ def fla_chunked_linear_attention(
         _time_major(v[..., :carried], io_dtype, group),
         g=None if log_decay is None else log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # (fp32)
         scale=factor,
-        initial_state=_even(_even(state[..., :carried].repeat_interleave(group, dim=1), -1), -2).contiguous(),
+        initial_state=None if empty_state else _initial_state(state[..., :carried], group),
         output_final_state=True,
     )
     numerator = out[..., :carried].transpose(1, 2).reshape(batch, kv_heads, group, length, carried)
@@ -88,7 +96,9 @@ def fla_chunked_linear_attention(
     # of them, the one fla keeps, not a float32 one beside it
     # the weight column is the padding mask: no gradient to send back (nor a zero-filled one to add)
     weighted_k = phi_k * v[..., -1:].detach().to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
-    running_z = state[..., None, :, -1] + torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
+    running_z = torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
+    if not empty_state:
+        running_z = state[..., None, :, -1] + running_z
     grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
     denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True) * factor  # in the state's dtype
     final_state = torch.cat([final_state, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head

@@ -118,11 +118,14 @@ class FlaStandIn(torch.autograd.Function):
     def backward(ctx, d_out, d_final):
         q, k, v, initial_state, g = ctx.saved_tensors
         with inside_kernel(), torch.enable_grad():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v, initial_state)]
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            start = None if initial_state is None else initial_state.detach().requires_grad_()
             decay = None if g is None else g.detach().requires_grad_()
-            outputs = chunk_simple_gla_reference(*leaves[:3], g=decay, scale=ctx.scale, initial_state=leaves[3])
-            grads = torch.autograd.grad(outputs, leaves + ([] if decay is None else [decay]), (d_out, d_final))
-        return *grads[:4], None, None if decay is None else grads[4]
+            outputs = chunk_simple_gla_reference(*leaves, g=decay, scale=ctx.scale, initial_state=start)
+            wrt = leaves + [x for x in (start, decay) if x is not None]
+            grads = list(torch.autograd.grad(outputs, wrt, (d_out, d_final)))
+        d_start = None if start is None else grads.pop(3)
+        return *grads[:3], d_start, None, None if decay is None else grads[3]
 
     @staticmethod
     def chunk_function(q, k, v, *, initial_state, scale, g=None, **_):
