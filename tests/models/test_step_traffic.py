@@ -22,7 +22,7 @@ VOCAB = 256
 BATCH, LENGTH = 2, 256
 
 
-def _step_traffic(name: str, layers: int) -> WrittenBytes:
+def _training_traffic(name: str, layers: int) -> WrittenBytes:
     torch.manual_seed(0)
     config = LlamaConfig.from_pretrained(CONFIG, num_hidden_layers=layers, vocab_size=VOCAB)
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
@@ -42,9 +42,9 @@ def _step_traffic(name: str, layers: int) -> WrittenBytes:
     return counter
 
 
-def layer_traffic(name: str) -> tuple[int, float]:
+def training_layer_traffic(name: str) -> tuple[int, float]:
     """(operations, bytes written per token) of one decoder layer of `name` in a training step."""
-    one, two = _step_traffic(name, 1), _step_traffic(name, 2)
+    one, two = _training_traffic(name, 1), _training_traffic(name, 2)
     return two.operations - one.operations, (two.bytes - one.bytes) / (BATCH * LENGTH)
 
 
@@ -62,8 +62,8 @@ EXTRA_BOUNDS = {
 @pytest.mark.parametrize("name", list(EXTRA_BOUNDS))
 def test_a_converted_layer_adds_few_operations_to_a_training_step(name, monkeypatch):
     use_stand_ins(monkeypatch, flex=True)
-    original_operations, original_bytes = layer_traffic("transformers")
-    operations, written = layer_traffic(name)
+    original_operations, original_bytes = training_layer_traffic("transformers")
+    operations, written = training_layer_traffic(name)
     max_operations, max_bytes = EXTRA_BOUNDS[name]
     assert operations - original_operations <= max_operations, (operations, original_operations)
     assert written - original_bytes <= max_bytes, (written, original_bytes)
