@@ -93,8 +93,8 @@ def fla_chunked_linear_attention(
     if log_decay is not None:
         return numerator.to(q.dtype), final_state
     # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
-    # of them, the one fla keeps, not a float32 one beside it
-    # the weight column is the padding mask: no gradient to send back (nor a zero-filled one to add)
+    # of them, the one fla keeps, not a float32 one beside it; the weight column is the padding mask,
+    # detached: no gradient to send back (nor a zero-filled one to add)
     weighted_k = phi_k * v[..., -1:].detach().to(io_dtype).contiguous()  # (not a view that keeps all of v alive)
     running_z = torch.cumsum(weighted_k, dim=-2, dtype=state.dtype)  # [B, Hkv, L, F]
     if not empty_state:

@@ -112,11 +112,17 @@ def flex_window_attention(
     mask_mod = _mask_mod(readable, first_visible(key_valid), window, sinks)
     block_mask = _flex_function("create_block_mask", compiled)(mask_mod, batch, None, length, length, device=q.device)
     attend = _flex_function("flex_attention", compiled)
-    aux_request = getattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest", None)
+    aux_request = _aux_request()
     if aux_request is None:  # older PyTorch: the log-sum-exp through return_lse
         return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
     out, aux = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux_request(lse=True))
     return out, aux.lse
+
+
+@functools.cache
+def _aux_request():
+    """FlexAttention's `AuxRequest` where this PyTorch has it (`return_lse` is deprecated there), or None."""
+    return getattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest", None)
 
 
 def combine_window_and_linear(

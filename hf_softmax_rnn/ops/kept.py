@@ -42,8 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_softmax_rnn.ops.kernels import row_shift
-from hf_softmax_rnn.ops.window import per_query, query_blocks
+from hf_softmax_rnn.ops.window import blocked_exp, per_query, query_blocks
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -320,11 +319,9 @@ def _blocked_exact_part(
     `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
     `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
     batch, kv_heads, groups, length, _ = q.shape
-    x = ((query_blocks(q, blocks, block) * scale) @ keys.mT).view(batch, kv_heads, blocks, groups, block, -1)
     seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
-    x = x.masked_fill(~seen, float("-inf"))
-    shift = row_shift(x)
-    weights = torch.exp(x - shift).view(batch, kv_heads, blocks, groups * block, -1)
+    weights, shift = blocked_exp(query_blocks(q, blocks, block), keys.mT, seen, scale, groups)
+    weights = weights.view(batch, kv_heads, blocks, groups * block, -1)
     shift = shift.masked_fill(~seen.any(-1, keepdim=True), float("-inf"))
     return per_query(weights @ values, groups, length), per_query(shift, groups, length)
 

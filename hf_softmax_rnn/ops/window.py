@@ -94,10 +94,22 @@ def _band_weights(
     rows = torch.arange(block, device=q.device)[:, None]
     cols = torch.arange(span, device=q.device)[None, :]
     visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
-    x = ((q * scale) @ key_blocks).view(batch, kv_heads, blocks, groups, block, span)  # (scaled: D wide, not C + W)
-    x = x.masked_fill(~visible, float("-inf"))  # [B, Hkv, blocks, G, C, C + W]
+    weights, row_max = blocked_exp(q, key_blocks, visible, scale, groups)
+    return weights, row_max.view(batch, kv_heads, blocks, groups * block, 1)
+
+
+def blocked_exp(
+    q_blocks: torch.Tensor, key_columns: torch.Tensor, visible: torch.Tensor, scale: float, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e^{x - m} `[B, Hkv, blocks, G, C, N]`, 0 where not `visible`; the row max m `[..., 1]`, detached) of
+    x = scale q.k for the queries of each block (`query_blocks`, `[B, Hkv, blocks, G * C, D]`) against its
+    own N keys as columns `[B, Hkv, blocks, D, N]`; `visible` broadcasts to x. The queries are scaled
+    before the product (D wide, not N)."""
+    batch, kv_heads, blocks, rows, _ = q_blocks.shape
+    x = ((q_blocks * scale) @ key_columns).view(batch, kv_heads, blocks, groups, rows // groups, -1)
+    x = x.masked_fill(~visible, float("-inf"))
     row_max = row_shift(x)
-    return torch.exp(x - row_max), row_max.view(batch, kv_heads, blocks, groups * block, 1)
+    return torch.exp(x - row_max), row_max
 
 
 def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
