@@ -314,7 +314,8 @@ class AttentionSpec:
         """Bytes of the recurrent state of one KV head: S and z, plus the keys and values of the window, the
         sinks and the kept positions, and with kept positions one rank score per window and kept position
         and, per kept slot, its position (int64) and whether it is filled (bool). Each sequence adds its
-        position counter (int64) and one flag (bool) per window position, shared by its KV heads."""
+        position counter (int64), and with a window one flag (bool) per window position and the ring's
+        start (int64), shared by its KV heads."""
         value_dim = head_dim if value_dim is None else value_dim
         exact = ((self.window or 0) + (self.sinks or 0) + (self.kept or 0)) * (head_dim + value_dim + 1)
         scores = (self.window or 0) + self.kept + 1 if self.kept is not None else 0

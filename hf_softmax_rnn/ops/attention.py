@@ -23,7 +23,7 @@ from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
 from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
 from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_weight, window_saliency
-from hf_softmax_rnn.ops.window_step import window_hybrid_step
+from hf_softmax_rnn.ops.window_step import window_hybrid_step, window_in_order
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: The dtypes `attention` returns (`io_dtype`).
@@ -40,6 +40,8 @@ class RecurrentState:
     A sliding-window hybrid also keeps the last W positions exactly: `window_keys`
     `[B, Hkv, W, D]`, `window_values` `[B, Hkv, W, Dv + 1]` (values with a column of ones,
     zero for padding) and `window_valid` `[B, W]`; `packed` then sums only older positions.
+    The window buffers are a ring: `window_start` `[B]` is the slot of the oldest of the W positions
+    (None: 0), and a decoding step writes the new position into it (`ops.window_step`).
     Attention sinks keep the first S visible positions exactly as well: `sink_keys`
     `[B, Hkv, S, D]` and `sink_values` `[B, Hkv, S, Dv + 1]`, slot j holding the j-th visible
     position (valid once j < t; zero before); `packed` never sums a sink.
@@ -58,6 +60,7 @@ class RecurrentState:
     window_keys: torch.Tensor | None = None
     window_values: torch.Tensor | None = None
     window_valid: torch.Tensor | None = None
+    window_start: torch.Tensor | None = None
     sink_keys: torch.Tensor | None = None
     sink_values: torch.Tensor | None = None
     window_scores: torch.Tensor | None = None
@@ -103,6 +106,7 @@ class RecurrentState:
             state.window_keys = torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype)
             state.window_values = torch.zeros(batch, kv_heads, window, value_dim + 1, device=device, dtype=dtype)
             state.window_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+            state.window_start = torch.zeros(batch, dtype=torch.long, device=device)
         if sinks is not None:
             state.sink_keys = torch.zeros(batch, kv_heads, sinks, head_dim, device=device, dtype=dtype)
             state.sink_values = torch.zeros(batch, kv_heads, sinks, value_dim + 1, device=device, dtype=dtype)
@@ -276,6 +280,12 @@ def _check_state(state: RecurrentState, q, k, v, spec: AttentionSpec, tag: tuple
         found = state.window_keys.shape[2] if has_window else None
         raise ValueError(
             f"attention: the state holds a window of {found} positions but the spec has window={spec.window}"
+        )
+    start = state.window_start
+    if has_window and start is not None and (tuple(start.shape) != (q.shape[0],) or start.is_floating_point()):
+        raise ValueError(
+            f"attention: the state's window_start has shape {tuple(start.shape)} and dtype {start.dtype}; expected "
+            f"one integer slot per sequence, [{q.shape[0]}]"
         )
     held_sinks = None if state.sink_keys is None else state.sink_keys.shape[2]
     if held_sinks != spec.sinks:
@@ -536,6 +546,8 @@ def _finite_state(
     if spec.window is None:
         keys, values, valid = k, augmented_v, key_mask
     else:
+        if not fresh_state:
+            state = window_in_order(state)
         keys = torch.cat([state.window_keys.to(q.dtype), k], dim=-2)
         values = torch.cat([state.window_values.to(q.dtype), augmented_v], dim=-2)
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
@@ -552,6 +564,7 @@ def _finite_state(
         new_state.window_keys = keys[..., -spec.window :, :].clone()
         new_state.window_values = values[..., -spec.window :, :].clone()
         new_state.window_valid = valid[:, -spec.window :].clone()
+        new_state.window_start = torch.zeros_like(state.t)
         exact, row_max, saliency = None, None, None
         if flex_inputs is None:
             query_valid = key_mask if spec.kept is not None else None

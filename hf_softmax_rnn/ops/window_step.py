@@ -10,6 +10,12 @@ without CUDA graphs, a decoding step costs about one dispatch per operation), an
 read in place, never copied. Its outputs and state are those of the block forms (tested against
 them in float64).
 
+The window buffers are a ring: the new position is written over the leaving one, in the slot
+`state.window_start` names, which then moves on by one. A step in place (decoding without autograd)
+so writes one row of each buffer instead of shifting all W; the softmax over the window does not
+depend on the order of its keys. The block forms read the buffers in position order
+(`window_in_order`).
+
 Shapes: grouped q `[B, Hkv, G, 1, D]`, k `[B, Hkv, 1, D]`, augmented v `[B, Hkv, 1, Dv + 1]`
 (a trailing weight column: 1 at a token, 0 at padding), key_mask `[B, 1]` bool.
 """
@@ -20,7 +26,6 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
@@ -59,15 +64,24 @@ def window_hybrid_step(
         in_place, log_decay: as `ops.linear.recurrent_linear_attention` takes them (`[B, Hkv, 1]`).
     """
     dtype, window, kv_heads = q.dtype, spec.window, k.shape[1]
-    old_keys, old_values = state.window_keys.to(dtype), state.window_values.to(dtype)
-    valid = torch.cat([state.window_valid, key_mask], dim=-1)  # [B, W + 1]: the leaving key, then the window
-    window_keys = torch.cat([old_keys[..., 1:, :], k], dim=-2)
-    window_values = torch.cat([old_values[..., 1:, :], augmented_v], dim=-2)
-    leaving_key, leaving_value = old_keys[..., :1, :], old_values[..., :1, :]
-    fields = dict(window_keys=window_keys, window_values=window_values, window_valid=valid[:, 1:])
-    candidate, sinks = valid, []  # candidate: may be scored as a window or kept key (visible, not a sink)
+    slot = ring_start(state)[:, None]  # [B, 1]: the leaving (oldest) position's slot, the new one's
+    following = slot + 1  # [B, 1]: the next oldest position's slot (mod W), the ring's next start
     if spec.sinks is not None or spec.kept is not None:
+        offsets = torch.arange(window, device=q.device)
+        # in position order: the leaving key, the W - 1 that stay, the new one
+        valid = torch.cat([state.window_valid.gather(1, (slot + offsets) % window), key_mask], dim=-1)
         ranks = visible_ranks(valid, state.t, window)
+        candidate = valid  # may be scored as a window or kept key (visible, not a sink)
+    rows = slot[:, :, None, None]  # [B, 1, 1, 1]
+    key_rows, value_rows = rows.expand(k.shape), rows.expand(augmented_v.shape)
+    leaving_key = state.window_keys.gather(2, key_rows).to(dtype)
+    leaving_value = state.window_values.gather(2, value_rows).to(dtype)
+    window_keys = _scatter(state.window_keys.to(dtype), 2, key_rows, k, in_place)
+    window_values = _scatter(state.window_values.to(dtype), 2, value_rows, augmented_v, in_place)
+    visible = _scatter(state.window_valid, 1, slot, key_mask, in_place)  # [B, W], slot order
+    fields = dict(window_keys=window_keys, window_values=window_values, window_valid=visible)
+    fields["window_start"] = (following % window)[:, 0]
+    sinks = []
     if spec.sinks is not None:
         is_sink = valid & (ranks < spec.sinks)
         candidate = valid & ~is_sink
@@ -77,13 +91,16 @@ def window_hybrid_step(
         written = ((ranks[:, -1:] == slots) & is_sink[:, -1:])[:, None, :, None]  # [B, 1, S, 1]
         fields["sink_keys"] = torch.where(written, k, state.sink_keys.to(dtype))
         fields["sink_values"] = torch.where(written, augmented_v, state.sink_values.to(dtype))
-        seen = state.t[:, None] + key_mask.long()
+        seen = state.t[:, None] + key_mask.long().cumsum(-1)
         sinks = [(fields["sink_keys"], fields["sink_values"], (slots < seen)[:, None].expand(-1, kv_heads, -1))]
+        # slot j holds position (j - slot - 1) % W of the window after the step, `valid[:, 1:]`
+        visible = candidate[:, 1:].gather(1, (offsets - following) % window)
     # the exact part's (keys, values, visibility [B, Hkv, N]): the window, the sinks, the kept keys
-    exact = [(window_keys, window_values, candidate[:, None, 1:].expand(-1, kv_heads, -1)), *sinks]
+    exact = [(window_keys, window_values, visible[:, None].expand(-1, kv_heads, -1)), *sinks]
     if spec.kept is not None:
         window_scores = state.window_scores.to(dtype)
-        leaving_saliency = window_scores[..., :1]  # final: no later query sees the leaving key in its window
+        score_rows = rows[..., 0].expand(-1, kv_heads, -1)  # [B, Hkv, 1]
+        leaving_saliency = window_scores.gather(2, score_rows)  # final: no later query has it in its window
         leaving_rank = torch.maximum(leaving_saliency, state.left_score.to(dtype)[..., None])
         buffers = (
             state.kept_keys.to(dtype),
@@ -109,10 +126,9 @@ def window_hybrid_step(
     weights = torch.exp(x - row_max).split([part.shape[2] for part in keys], dim=-1)
     numerator = sum(grouped_matmul(part_weights, part) for part_weights, part in zip(weights, values))
     if spec.kept is not None:
-        fields["left_score"] = leaving_saliency[..., 0].clone()  # a static cache overwrites window_scores first
-        fields["window_scores"] = torch.maximum(
-            F.pad(window_scores[..., 1:], (0, 1)), _saliency(x[..., :window].detach(), key_mask, dtype)
-        )
+        fields["left_score"] = leaving_saliency[..., 0]
+        entered = _scatter(window_scores, 2, score_rows, 0.0, in_place)  # the new key has no saliency yet
+        fields["window_scores"] = torch.maximum(entered, _saliency(x[..., :window].detach(), key_mask, dtype))
     linear, fields["packed"] = recurrent_linear_attention(
         q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay
     )
@@ -125,3 +141,33 @@ def _saliency(window_scores: torch.Tensor, query_valid: torch.Tensor, dtype: tor
     weights = torch.exp(window_scores - row_shift(window_scores))
     probabilities = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     return probabilities.amax(dim=(2, 3)) * query_valid.to(dtype)[:, :, None]
+
+
+def ring_start(state: RecurrentState) -> torch.Tensor:
+    """`[B]` long: the slot of the oldest position in the state's window buffers (0 for a state without
+    `window_start`, built in position order)."""
+    if state.window_start is not None:
+        return state.window_start
+    return torch.zeros(state.t.shape, dtype=torch.long, device=state.t.device)
+
+
+def window_in_order(state: RecurrentState) -> RecurrentState:
+    """`state` with its window buffers (keys, values, validity, saliencies) in position order, oldest
+    first, and `window_start` 0: what the block forms read. One gather of the W rows of each (a state
+    without a window is returned as it is)."""
+    if state.window_keys is None:
+        return state
+    batch, _, window, _ = state.window_keys.shape
+    order = (ring_start(state)[:, None] + torch.arange(window, device=state.t.device)) % window  # [B, W]
+    ordered = {"window_start": torch.zeros_like(order[:, 0]), "window_valid": state.window_valid.gather(1, order)}
+    for name in ("window_keys", "window_values", "window_scores"):
+        buffer = getattr(state, name)
+        if buffer is not None:
+            index = order.view(batch, 1, window, *[1] * (buffer.dim() - 3))
+            ordered[name] = buffer.gather(2, index.expand(buffer.shape))
+    return dataclasses.replace(state, **ordered)
+
+
+def _scatter(buffer: torch.Tensor, dim: int, index: torch.Tensor, new, in_place: bool) -> torch.Tensor:
+    """`buffer` with `new` written at `index` along `dim`: into `buffer` itself when `in_place`."""
+    return buffer.scatter_(dim, index, new) if in_place else buffer.scatter(dim, index, new)

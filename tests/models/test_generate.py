@@ -206,7 +206,7 @@ def test_window_state_is_constant_in_size_and_as_large_as_the_spec_says(family, 
     }
     kv_heads = model.config.num_key_value_heads if family == "llama" else model.config.n_head
     state = spec.state_bytes(HEAD_DIM) * kv_heads + spec.window  # + window validity flags (bool)
-    assert sizes[1] == sizes[8] == 2 * ids.shape[0] * (state + 8)  # 2 layers; + int64 t per row
+    assert sizes[1] == sizes[8] == 2 * ids.shape[0] * (state + 8 + 8)  # 2 layers; + int64 t and ring start per row
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,9 @@ from hf_softmax_rnn.ops.flex_window import window_attention_reference
 #: Operations that are not marked as views but return a view of their input (no kernel, no bytes):
 #: `_unsafe_view` reshapes the result of a batched product back to the caller's batch dimensions.
 ALIASING_OPERATIONS = (torch.ops.aten._unsafe_view.default,)
+#: In-place writes of the entries an index names (a row of a ring buffer, a kept slot): they return their
+#: whole target but write only index.numel() entries of it.
+INDEXED_WRITES = (torch.ops.aten.scatter_.src, torch.ops.aten.scatter_.value)
 
 
 class WrittenBytes(TorchDispatchMode):
@@ -45,6 +48,9 @@ class WrittenBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.paused and not func.is_view and func not in ALIASING_OPERATIONS:
             self.operations += 1
+            if func in INDEXED_WRITES:
+                self.bytes += args[2].numel() * out.element_size()  # (target, dim, index, src or value)
+                return out
             outputs = out if isinstance(out, (tuple, list)) else [out]
             self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
         return out

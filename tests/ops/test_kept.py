@@ -7,6 +7,7 @@ earlier position), records the step at which every other key enters the
 finite state, and scores each query from those sets, one key at a time.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
 from hf_softmax_rnn.ops.kept import _ranks_above, _slot_groups, kept_schedule, select_kept
+from hf_softmax_rnn.ops.window_step import window_in_order
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params, quiet_preset
 from .kept_reference import _outranked, select_kept_blockwise
@@ -137,12 +139,18 @@ def test_state_handed_over_between_calls(name):
 
 
 def _assert_same_state(state, other):
-    """Equal states; the kept slots may hold the same keys in another order (compared by position)."""
+    """Equal states; the window buffers are compared in position order, and the kept slots may hold the
+    same keys in another order (compared by position)."""
+    state, other = window_in_order(state), window_in_order(other)
     kept = ("kept_keys", "kept_values", "kept_scores", "kept_positions", "kept_valid")
-    names = ("packed", "t", "window_keys", "window_values", "window_valid", "window_scores", "left_score", "sink_keys")
-    for name in names:
-        if getattr(state, name) is not None:
-            torch.testing.assert_close(getattr(state, name), getattr(other, name), rtol=1e-10, atol=1e-12)
+    for field in dataclasses.fields(state):
+        if field.name not in (*kept, "made_by") and getattr(state, field.name) is not None:
+            got, want = getattr(state, field.name), getattr(other, field.name)
+            torch.testing.assert_close(
+                got, want, rtol=1e-10, atol=1e-12, msg=lambda text, name=field.name: f"{name}: {text}"
+            )
+    if state.kept_keys is None:
+        return
     orders = [
         torch.argsort(s.kept_positions.masked_fill(~s.kept_valid, -1), dim=-1, stable=True) for s in (state, other)
     ]

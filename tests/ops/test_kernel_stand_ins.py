@@ -17,6 +17,20 @@ def test_written_bytes_count_products_and_copies_but_not_reshapes():
     assert (counter.operations, counter.bytes) == (2, 2 * product.numel() * 4)
 
 
+def test_written_bytes_of_an_indexed_write_in_place_are_the_entries_written():
+    """`scatter_` returns its whole target but writes one row of it (a ring buffer's slot); the copying
+    `scatter` writes the whole result."""
+    buffer, row = torch.zeros(4, 3, 64, 16), torch.randn(4, 3, 1, 16)
+    index = torch.full((4, 3, 1, 16), 5)
+    with WrittenBytes() as counter:
+        buffer.scatter_(2, index, row)
+        buffer.scatter_(2, index, 0.0)
+    assert (counter.operations, counter.bytes) == (2, 2 * row.numel() * 4)
+    with WrittenBytes() as counter:
+        buffer.scatter(2, index, row)
+    assert counter.bytes == buffer.numel() * 4
+
+
 def test_saved_bytes_count_each_storage_once_and_only_what_the_graph_keeps():
     """x saved twice counts once; a node whose result is detached at once (a row max taken for a shift)
     is freed with it, and so is what it saved."""

@@ -126,6 +126,24 @@ def test_state_from_another_window_raises():
         attention(q[:1], k[:1], v[:1], spec, mode="recurrent", params=params, state=state)
 
 
+@pytest.mark.parametrize(
+    ("start", "shown"),
+    [
+        (torch.zeros(3, dtype=torch.long), r"shape \(3,\) and dtype torch.int64"),
+        (torch.zeros(2), r"shape \(2,\) and dtype torch.float32"),
+    ],
+    ids=["batch-3-for-2", "float"],
+)
+def test_a_window_start_that_is_not_one_slot_per_sequence_raises(start, shown):
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=3)
+    q, k, v, _ = make_inputs(length=4)
+    params = as_params(make_params(spec))
+    _, state = attention(q, k, v, spec, mode="chunked", params=params)
+    state.window_start = start
+    with pytest.raises(ValueError, match=rf"window_start has {shown}.*one integer slot per sequence, \[2\]"):
+        attention(q[..., :1, :], k[..., :1, :], v[..., :1, :], spec, mode="recurrent", params=params, state=state)
+
+
 def test_window_needs_its_weight():
     q, k, v, _ = make_inputs(length=4)
     with pytest.raises(ValueError, match="linear_log_scale"):

@@ -10,6 +10,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops.window_step import window_in_order
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
 from .kernel_stand_ins import DispatchedOperations
@@ -62,11 +63,50 @@ def test_steps_match_the_block_form_and_one_call(name):
     torch.testing.assert_close(steps, blocks, **TOL)
     torch.testing.assert_close(steps, whole, **TOL)
     for other in (block_state, whole_state):
-        if spec.kept is None:
-            for got, want in zip(step_state.tensors(), other.tensors(), strict=True):
+        if spec.kept is None:  # (the steps' window buffers are a ring: compared in position order)
+            for got, want in zip(window_in_order(step_state).tensors(), other.tensors(), strict=True):
                 torch.testing.assert_close(got, want, **TOL)
         else:
             _assert_same_state(step_state, other)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_SPECS))
+def test_block_calls_between_steps_read_the_ring_in_position_order(name):
+    """Steps turn the window's ring (its oldest slot moves on); a block call of three positions after them
+    reads the buffers in position order, and steps after it start from slot 0 again."""
+    spec = WINDOW_SPECS[name]
+    inputs = _case(spec)
+    whole, whole_state = _call(spec, inputs, slice(0, LENGTH), "chunked", None)
+    outs, state = _call(spec, inputs, slice(0, 3), "chunked", None)
+    outs = [outs]
+    for part in [slice(step, step + 1) for step in range(3, 8)] + [slice(8, 11), slice(11, 12), slice(12, 14)]:
+        out, state = _call(spec, inputs, part, "recurrent" if part.stop - part.start == 1 else "chunked", state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=-2), whole, **TOL)
+    _assert_same_state(state, whole_state)
+
+
+def test_an_in_place_step_writes_one_row_of_each_window_buffer():
+    """Decoding in place writes the new position over the leaving one in the window buffers themselves
+    (the slot `window_start` names, which moves on by one), instead of shifting all W rows into new ones."""
+    spec = WINDOW_SPECS["window3_hedgehog"]
+    inputs = _case(spec)
+    with torch.no_grad():
+        _, state = _call(spec, inputs, slice(0, 9), "chunked", None)
+        _, state = _call(spec, inputs, slice(9, 10), "recurrent", state, update_state_in_place=True)
+        before = state.map(torch.clone)
+        _, after = _call(spec, inputs, slice(10, 11), "recurrent", state, update_state_in_place=True)
+    slot = 1  # 9 positions from the block call (slot 0 the oldest), one step (slot 0 overwritten)
+    assert torch.equal(before.window_start, torch.full((2,), slot)) and torch.equal(
+        after.window_start, before.window_start + 1
+    )
+    for name in ("window_keys", "window_values", "window_valid"):
+        assert getattr(after, name) is getattr(state, name), name
+        changed = getattr(after, name) != getattr(before, name)
+        if name != "window_valid":
+            changed = changed.any(-1).any(1)  # [B, W]
+        assert not changed[:, [0, 2]].any(), name  # only the slot of the leaving position
+    torch.testing.assert_close(after.window_keys[..., slot, :], inputs[1][..., 10, :])
 
 
 @pytest.mark.parametrize(
