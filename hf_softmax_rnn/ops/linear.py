@@ -176,7 +176,8 @@ def recurrent_linear_attention(
             state = state.mul_(factor) if in_place else state * factor
         state = _add_outer_product(state, phi_k[..., t, :], v[..., t, :], in_place)
         outputs.append(phi_q[..., t, :] @ state)
-    return torch.stack(outputs, dim=-2), state
+    out = outputs[0].unsqueeze(-2) if len(outputs) == 1 else torch.stack(outputs, dim=-2)  # (decoding: no copy)
+    return out, state
 
 
 def _add_outer_product(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:

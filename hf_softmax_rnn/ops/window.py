@@ -206,5 +206,7 @@ MAX_MIX_EXPONENT = 40.0
 def mix_weight(log_scale: torch.Tensor, row_max: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """e^{lambda_h - m_t}, the factor of the finite-state part: log_scale `[H]`, row_max
     `[B, Hkv, G, L, 1]` (or `[..., Lq, 1]`) -> same shape as row_max."""
-    exponent = log_scale.to(row_max.dtype).view(kv_heads, -1, 1, 1) - row_max
+    if log_scale.dtype != row_max.dtype and log_scale.dtype.itemsize >= row_max.dtype.itemsize:
+        log_scale = log_scale.to(row_max.dtype)  # (a narrower one is promoted by the subtraction below)
+    exponent = log_scale.view(kv_heads, -1, 1, 1) - row_max
     return torch.exp(exponent.clamp_max(MAX_MIX_EXPONENT))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, mix_weight
 
 from .helpers import as_params, left_padding_mask, make_inputs, make_params, quiet_preset
 
@@ -214,3 +215,15 @@ def _compare_compiled_one_block():
     torch._dynamo.reset()
     for got, want in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("log_scale_dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_the_mix_weight_takes_the_row_max_dtype_whatever_the_log_scale_s(log_scale_dtype):
+    """e^{lambda - m} in the row max's dtype (float32): a narrower log-scale is promoted by the subtraction,
+    a wider one converted first."""
+    log_scale = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=log_scale_dtype)
+    row_max = torch.linspace(-3.0, 60.0, 2 * 2 * 2 * 3).view(2, 2, 2, 3, 1)
+    weight = mix_weight(log_scale, row_max, kv_heads=2)
+    expected = torch.exp((log_scale.double().view(2, 2, 1, 1) - row_max.double()).clamp_max(MAX_MIX_EXPONENT))
+    assert weight.dtype == torch.float32
+    torch.testing.assert_close(weight, expected.float(), rtol=1e-6, atol=0)
