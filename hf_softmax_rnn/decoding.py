@@ -17,14 +17,89 @@ A step feeds one new token per row with no attention mask. Recurrent layers kept
 padding out of their states at prefill, so left-padded prompts decode correctly when the caller
 passes each row's `position_ids`; a KV layer (an unmodified transformers model) would attend to the
 padded prompt positions, so `prompt_mask` with padding is refused for a model with KV layers.
+
+`static_cache_from` turns a prefilled `DynamicCache` (what `generate()` and a plain forward build) into
+a `StaticCache` for such a step, each row repeated as many times as asked: one prompt prefilled once,
+then decoded as a batch of B continuations.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, PreTrainedConfig, StaticCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-__all__ = ["GraphedDecodeStep"]
+from hf_softmax_rnn.layers.cache import RecurrentStateLayer, StaticRecurrentStateLayer
+
+__all__ = ["GraphedDecodeStep", "static_cache_from"]
+
+_PREFILL_FIRST = "run the prompt through the model with this cache first"
+
+
+def static_cache_from(
+    cache: DynamicCache, config: PreTrainedConfig, max_cache_len: int, repeats: int = 1
+) -> StaticCache:
+    """A `StaticCache` holding what the prefilled `cache` holds, each row repeated `repeats` times (row i
+    becomes rows i * repeats ... (i + 1) * repeats - 1, as `Cache.batch_repeat_interleave` orders them).
+
+    Recurrent layers get their state; KV layers their keys and values in the first positions of buffers of
+    `max_cache_len` positions, which must leave room for the tokens still to decode. With one row, the
+    copies are written from a broadcast view (no intermediate copy of the repeated cache: a KV cache at a
+    batch that fills the GPU fits once, not twice).
+
+    Args:
+        cache: a `DynamicCache` the model was run with (every layer filled).
+        config: the model's config (`model.config`), which says which layers are recurrent.
+        max_cache_len: positions each KV layer holds (prompt + new tokens); unused by recurrent layers.
+        repeats: copies of each row (at least 1).
+    """
+    if not isinstance(cache, DynamicCache):
+        raise TypeError(f"static_cache_from copies a DynamicCache; got {type(cache).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is not allowed; expected at least 1")
+    static = StaticCache(config=config, max_cache_len=max_cache_len)
+    if len(static.layers) != len(cache.layers):
+        raise ValueError(
+            f"the cache has {len(cache.layers)} layers but the config describes {len(static.layers)}; pass the config "
+            "of the model that filled the cache"
+        )
+    for index, (source, target) in enumerate(zip(cache.layers, static.layers)):
+        if isinstance(source, RecurrentStateLayer) and isinstance(target, StaticRecurrentStateLayer):
+            if source.state is None:
+                raise ValueError(f"layer {index} of the cache holds no state yet: {_PREFILL_FIRST}")
+            target.update_state(source.state.map(lambda x: _repeated(x, repeats)), source.cumulative_length)
+        elif type(source) is DynamicLayer and type(target) is StaticLayer:
+            _fill_static_layer(target, source, repeats, index)
+        else:
+            raise TypeError(
+                f"layer {index}: a {type(source).__name__} cannot be copied into a {type(target).__name__}; pass the "
+                "config of the model that filled the cache (sliding-window KV layers are not supported)"
+            )
+    return static
+
+
+def _repeated(x: torch.Tensor, repeats: int) -> torch.Tensor:
+    """`x` `[b, ...]` with each row repeated `repeats` times: a broadcast view for one row."""
+    if x.shape[0] == 1:
+        return x.expand(repeats, *x.shape[1:])
+    return x.repeat_interleave(repeats, dim=0)
+
+
+def _fill_static_layer(target: StaticLayer, source: DynamicLayer, repeats: int, index: int) -> None:
+    keys, values = source.keys, source.values  # [b, H, L, D]
+    if keys is None or keys.numel() == 0:
+        raise ValueError(f"layer {index} of the cache holds no keys yet: {_PREFILL_FIRST}")
+    length = keys.shape[-2]
+    if length >= target.max_cache_len:
+        raise ValueError(
+            f"max_cache_len={target.max_cache_len} holds no new token after the {length} cached positions; expected "
+            f"at least {length + 1} (prompt + new tokens)"
+        )
+    rows = keys.shape[0] * repeats
+    target.lazy_initialization(keys[:1].expand(rows, *keys.shape[1:]), values[:1].expand(rows, *values.shape[1:]))
+    for buffer, cached in ((target.keys, keys), (target.values, values)):
+        buffer.view(keys.shape[0], repeats, *buffer.shape[1:])[..., :length, :].copy_(cached[:, None])
+    target.cumulative_length.fill_(length)
 
 
 class GraphedDecodeStep:

@@ -11,7 +11,13 @@ then is bisected between the last batch that fitted and the first that did not, 
 reported at the largest batch found. Peak memory is the allocator's peak above the weights during
 the timed steps (the cache of B sequences and the step's activations; CUDA only).
 
+Eager decoding launches every kernel of a step from Python, so at small and middling batches it is
+bound by launches, not by the GPU. `--cuda-graph` decodes each batch from a `StaticCache` (the
+prefilled cache copied B times, `hf_softmax_rnn.decoding.static_cache_from`) through one CUDA graph
+per step (`GraphedDecodeStep`): the first untimed step runs eagerly, the second records the graph.
+
     python scripts/bench_serve.py --device cuda --dtype bfloat16 --output gpu_results/bench_serve
+    python scripts/bench_serve.py --device cuda --dtype bfloat16 --cuda-graph --output gpu_results/bench_serve_graph
     python scripts/bench_serve.py --layers 2 --contexts 64 128 --max-batch 8 --output /tmp/bench_serve
 
 Target: at 8,192 tokens of context, each recurrent model >= 3x the KV model's tokens/s.
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, Cache, DynamicCache
 
 from hf_softmax_rnn.analysis.bench_report import (
     check_model_flags,
@@ -39,6 +45,7 @@ from hf_softmax_rnn.analysis.bench_report import (
     write_bench_report,
 )
 from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.decoding import GraphedDecodeStep, static_cache_from
 from hf_softmax_rnn.layers.cache import cache_nbytes
 
 logger = logging.getLogger("bench_serve")
@@ -63,10 +70,11 @@ class Measurement:
 
 
 class Server:
-    """One model and the cache of one prefilled sequence, decoded as a batch of copies."""
+    """One model and the cache of one prefilled sequence, decoded as a batch of copies: eagerly from a
+    `DynamicCache`, or from a `StaticCache` through CUDA graphs (`graphed`)."""
 
-    def __init__(self, name: str, model) -> None:
-        self.name, self.model = name, model
+    def __init__(self, name: str, model, graphed: bool = False) -> None:
+        self.name, self.model, self.graphed = name, model, graphed
         self.cache: DynamicCache | None = None
         self.next_token: torch.Tensor | None = None
 
@@ -88,15 +96,13 @@ class Server:
             torch.cuda.synchronize(device)
             baseline = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        cache = copy.deepcopy(self.cache)
-        cache.batch_repeat_interleave(batch)
+        cache, decode_step = self._batch(batch, warmup + steps)
         tokens = self.next_token.repeat(batch, 1)
         seconds = 0.0
         for step in range(warmup + steps):
             _synchronize(device)
             start = time.perf_counter()
-            logits = self.model(input_ids=tokens, cache=cache, use_cache=True).logits
-            tokens = logits[:, -1:].argmax(-1)
+            tokens = decode_step(tokens)[:, -1:].argmax(-1)
             _synchronize(device)
             if step >= warmup:
                 seconds += time.perf_counter() - start
@@ -105,6 +111,17 @@ class Server:
         return Measurement(
             self.name, context, batch, batch * steps / seconds, 1000 * seconds / steps, cache_nbytes(cache), peak
         )
+
+    def _batch(self, batch: int, new_tokens: int) -> tuple[Cache, Callable[[torch.Tensor], torch.Tensor]]:
+        """The cache of `batch` copies of the prefilled sequence, with room for `new_tokens` more, and the
+        decode step over it (token ids `[B, 1]` -> logits `[B, 1, V]`)."""
+        if self.graphed:
+            context = self.cache.get_seq_length()
+            cache = static_cache_from(self.cache, self.model.config, context + new_tokens + 1, repeats=batch)
+            return cache, GraphedDecodeStep(self.model, cache)
+        cache = copy.deepcopy(self.cache)
+        cache.batch_repeat_interleave(batch)
+        return cache, lambda tokens: self.model(input_ids=tokens, cache=cache, use_cache=True).logits
 
 
 def _synchronize(device: torch.device) -> None:
@@ -235,6 +252,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode from a StaticCache through one CUDA graph per step (needs --device cuda and --warmup >= 2)",
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path("bench_serve"), help="writes OUTPUT/bench_serve.{md,json,png}"
     )
     args = parser.parse_args(argv)
@@ -247,6 +269,13 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     check_model_flags(parser, args, ("max_batch", "steps", "warmup", "prefill_chunk"))
     if sorted(set(args.contexts)) != args.contexts or args.contexts[0] < 1:
         parser.error(f"--contexts={args.contexts} is not allowed; expected increasing positive ints")
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        parser.error(f"--cuda-graph needs a GPU; --device={args.device!r}, expected cuda or cuda:N")
+    if args.cuda_graph and args.warmup < 2:
+        parser.error(
+            f"--warmup={args.warmup} is not allowed with --cuda-graph; expected at least 2 (an eager step, then the "
+            "recording of the graph)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,11 +289,13 @@ def main(argv: list[str] | None = None) -> None:
         config.num_hidden_layers = args.layers
     torch.manual_seed(0)
     base_model = AutoModelForCausalLM.from_config(config)
-    servers = [Server(name, convert(base_model, name).eval().to(device=device, dtype=dtype)) for name in args.presets]
-    servers.insert(0, Server(BASELINE, base_model.eval().to(device=device, dtype=dtype)))
+    models = [(name, convert(base_model, name)) for name in args.presets]
+    models.insert(0, (BASELINE, base_model))
+    servers = [Server(name, model.eval().to(device=device, dtype=dtype), args.cuda_graph) for name, model in models]
     hardware = hardware_name(device)
+    decoding = "CUDA graphs over a static cache" if args.cuda_graph else "eager"
     title = (
-        f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, eager, "
+        f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, {decoding}, "
         f"{args.dtype}, {hardware}; largest batch <= {args.max_batch} that fits, {args.steps} timed steps"
     )
     run_benchmark(servers, config.vocab_size, device, args, lambda done: write_report(done, args, title))

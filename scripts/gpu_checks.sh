@@ -4,7 +4,8 @@
 # (bench_train, linear_elu also with fla's rows whole, and a profiled step of each model: kernel time
 # by kind, launches, how busy the GPU is), the window hybrid's op row against fla, the
 # FlexAttention window hybrid's tests, the fused-kernel tests, finetune under FSDP2, the CUDA-graph
-# decoding tests, batched decoding at the largest batch that fits (bench_serve), decoding of the
+# decoding tests, batched decoding at the largest batch that fits (bench_serve, eager, then through
+# CUDA graphs at 8,192 tokens of context), decoding of the
 # finetune default's spec (eager, one CUDA graph, batched at 8,192 tokens of context), its training
 # throughput beside the original's (8,192 tokens a step), training through torch.compile, the decode and
 # op tables (bf16, batch 8, fp32), the recovery benchmark's long-context rows on the embedded model
@@ -27,7 +28,7 @@
 # for the first length on a fresh machine).
 set -u -o pipefail
 stages=(bench_train bench_ops_window flex_window_tests fused_kernel_tests fsdp_finetune graphed_decoding_tests
-  bench_serve decode_default train_default train_compiled decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32 recovery_long
+  bench_serve bench_serve_graph decode_default train_default train_compiled decode_graph_bf16 bench_ops_bf16 bench_ops_bf16_batch8 decode_graph_fp32 bench_ops_fp32 recovery_long
   decode_compiled)
 for name in ${STAGES:-}; do
   if [[ " ${stages[*]} " != *" $name "* ]]; then
@@ -97,6 +98,11 @@ fi
 if stage bench_serve; then
   timeout "$(left 120)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \
     --presets linear_elu hedgehog_window_64 --max-batch 16384 --steps 4 --warmup 1 --output "$results/bench_serve"
+fi
+if stage bench_serve_graph; then  # the same at 8,192 tokens of context, each step one CUDA graph over a static cache
+  timeout "$(left 90)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" --cuda-graph \
+    --presets linear_elu hedgehog_window_64 --contexts 8192 --max-batch 16384 --steps 4 --warmup 2 \
+    --output "$results/bench_serve_graph"
 fi
 if stage decode_default; then  # the finetune default's spec (window 256, 4 sinks, 256 kept, decay): eager, graphed, batched
   default_spec=hedgehog_window_256_sinks_4_kept_256_decay

@@ -12,7 +12,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.utils import import_utils
 
 from hf_softmax_rnn import AttentionSpec
-from hf_softmax_rnn.decoding import GraphedDecodeStep
+from hf_softmax_rnn.decoding import GraphedDecodeStep, static_cache_from
 
 from .models.helpers import FAMILIES, left_padded_batch, tiny_model, tiny_source
 
@@ -104,3 +104,44 @@ def test_refuses_a_padded_prompt_for_kv_layers_and_a_cpu_model(family):
     model = tiny_model(family, "linear_elu")  # recurrent states kept the padding out: allowed, up to the device
     with pytest.raises(ValueError, match="the model is on cpu, expected a cuda device"):
         GraphedDecodeStep(model, _prefilled_static_cache(model, ids, mask), prompt_mask=mask)
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["one_row", "two_rows"])
+@pytest.mark.parametrize("name", ["transformers", *sorted(SPECS)])
+def test_a_static_copy_of_a_prefilled_cache_decodes_as_the_repeated_dynamic_cache(family, name, rows):
+    """`static_cache_from(cache, config, max_len, repeats=3)` decodes three steps with the logits of the
+    dynamic cache repeated with `batch_repeat_interleave(3)`; each copy of a row gets its own tokens."""
+    model = _model(family, name)
+    ids, _ = left_padded_batch(lengths=(6,) * rows)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        static = static_cache_from(cache, model.config, max_cache_len=ids.shape[1] + 3, repeats=3)
+        cache.batch_repeat_interleave(3)
+        tokens = torch.arange(3 * rows * 3).view(3, 3 * rows, 1) % 50 + 1
+        for step_tokens in tokens:
+            want = model(input_ids=step_tokens, cache=cache, use_cache=True).logits
+            got = model(input_ids=step_tokens, cache=static, use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert int(static.get_seq_length()) == ids.shape[1] + 3
+
+
+def test_static_cache_from_refuses_what_it_cannot_copy(family):
+    model = tiny_model(family, "linear_elu")
+    source = tiny_source(family)
+    ids, _ = left_padded_batch(lengths=(4,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        kv_cache = DynamicCache(config=source.config)
+        source(input_ids=ids, cache=kv_cache, use_cache=True)
+    with pytest.raises(ValueError, match="repeats=0 is not allowed; expected at least 1"):
+        static_cache_from(cache, model.config, max_cache_len=8, repeats=0)
+    with pytest.raises(TypeError, match="copies a DynamicCache; got StaticCache"):
+        static_cache_from(StaticCache(config=model.config, max_cache_len=8), model.config, max_cache_len=8)
+    with pytest.raises(TypeError, match="layer 0: a RecurrentStateLayer cannot be copied into a StaticLayer"):
+        static_cache_from(cache, source.config, max_cache_len=8)
+    with pytest.raises(ValueError, match=r"max_cache_len=4 holds no new token after the 4 cached.*at least 5"):
+        static_cache_from(kv_cache, source.config, max_cache_len=4)
+    with pytest.raises(ValueError, match="layer 0 of the cache holds no state yet: run the prompt"):
+        static_cache_from(DynamicCache(config=model.config), model.config, max_cache_len=8)

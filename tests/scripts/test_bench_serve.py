@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import StaticCache
 
 from .helpers import load_script, tiny_config_dir
 
@@ -36,6 +38,42 @@ def test_batched_decoding_of_the_kv_model_and_converted_models(tmp_path, monkeyp
     printed = capsys.readouterr().out
     assert "| context | transformers batch | transformers tokens/s | transformers peak GiB |" in printed
     assert (output / "bench_serve.png").stat().st_size > 0
+
+
+def test_cuda_graph_mode_decodes_each_batch_from_a_static_copy_of_the_prefilled_cache(tmp_path, monkeypatch):
+    """`--cuda-graph` on a machine without a GPU, the graph step an eager stand-in: every batch is decoded
+    from a `StaticCache` of that many copies of the prefilled sequence, with room for the steps, and the
+    logits are those of the dynamic cache's eager steps."""
+    module = _load_script(monkeypatch)
+    monkeypatch.setattr(module, "device_or_exit", lambda script, name: torch.device("cpu"))
+    steps = []
+
+    class EagerStep:
+        def __init__(self, model, cache):
+            assert isinstance(cache, StaticCache) and len(cache.layers) == 2
+            self.model, self.cache = model, cache
+            steps.append(self)
+
+        def __call__(self, tokens):
+            return self.model(input_ids=tokens, cache=self.cache, use_cache=True).logits
+
+    monkeypatch.setattr(module, "GraphedDecodeStep", EagerStep)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", *PRESETS, "--contexts", "8", "--device", "cuda"]
+    argv += ["--cuda-graph", "--max-batch", "2", "--steps", "1", "--warmup", "2", "--output", str(output)]
+    module.main(argv)
+    result = json.loads((output / "bench_serve.json").read_text())
+    assert "CUDA graphs over a static cache" in result["title"]
+    assert {(m["model"], m["batch"]) for m in result["measurements"]} == {(n, 2) for n in ["transformers", *PRESETS]}
+    assert [int(step.cache.get_seq_length()) for step in steps] == [8 + 3] * len(steps)  # prefill + 3 steps each
+    server = module.Server("transformers", steps[0].model)
+    server.prefill(torch.arange(1, 9), chunk=16)
+    cache, eager = server._batch(2, 3)
+    server.graphed = True
+    _, graphed = server._batch(2, 3)
+    tokens = torch.tensor([[3], [5]])
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(tokens), eager(tokens))
 
 
 @pytest.mark.parametrize(
@@ -71,8 +109,19 @@ def test_largest_batch_doubles_then_bisects(monkeypatch, fits, cap, tried, found
         (["--presets", "nope"], "--presets nope: unknown; expected names from softmax,"),
         (["--device", "cuda"], "--device='cuda' is not available on this machine"),
         (["--model", "/nonexistent"], "--model='/nonexistent' is not allowed; expected a folder with a config.json"),
+        (["--cuda-graph"], "--cuda-graph needs a GPU; --device='cpu', expected cuda or cuda:N"),
+        (["--cuda-graph", "--device", "cuda", "--warmup", "1"], "--warmup=1 is not allowed with --cuda-graph"),
     ],
-    ids=["contexts_decreasing", "max_batch_0", "steps_0", "unknown_preset", "cuda_without_gpu", "missing_config"],
+    ids=[
+        "contexts_decreasing",
+        "max_batch_0",
+        "steps_0",
+        "unknown_preset",
+        "cuda_without_gpu",
+        "missing_config",
+        "graph_on_cpu",
+        "graph_without_recording_warmup",
+    ],
 )
 def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

@@ -87,5 +87,5 @@ def test_every_stage_s_command_is_one_its_script_accepts(tmp_path, monkeypatch):
         scripts.append(script.stem)
         load_script(script.stem, monkeypatch).parse_args(argv[1:])
     assert sorted(set(scripts)) == ["bench_generate", "bench_ops", "bench_recovery", "bench_serve", "bench_train"]
-    assert len(commands) == 19  # one per stage, three for decode_default (eager, graphed, batched)
+    assert len(commands) == 20  # one per stage, three for decode_default (eager, graphed, batched)
     assert test_files and all((ROOT / name).is_file() for name in test_files), test_files
