@@ -7,10 +7,10 @@ Marked `gpu`: CI (CPU only) deselects them; on a GPU machine run `pytest -m gpu 
 
 import pytest
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from hf_softmax_rnn import AttentionSpec
-from hf_softmax_rnn.decoding import GraphedDecodeStep
+from hf_softmax_rnn.decoding import GraphedDecodeStep, static_cache_from
 
 from ..models.helpers import FAMILIES, left_padded_batch, tiny_model, tiny_source
 
@@ -98,3 +98,24 @@ def test_a_full_kv_cache_is_refused_before_the_step():
     with pytest.raises(ValueError, match="KV layers hold 7 positions, all used"):
         step(token)
     assert int(cache.get_seq_length()) == 7
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["transformers", "linear_elu", "hedgehog_window3"])
+def test_one_prompt_repeated_into_a_static_cache_replays_the_repeated_dynamic_cache(family, name):
+    """`static_cache_from(..., repeats=4)` then `GraphedDecodeStep`: the logits of eager steps from the
+    dynamic cache repeated with `batch_repeat_interleave(4)`, each row decoding its own tokens."""
+    model = (tiny_source(family) if name == "transformers" else tiny_model(family, SPECS[name])).cuda()
+    ids, _ = left_padded_batch(lengths=(7,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids.cuda(), cache=cache, use_cache=True)
+        graphed = GraphedDecodeStep(model, static_cache_from(cache, model.config, ids.shape[1] + STEPS, repeats=4))
+        cache.batch_repeat_interleave(4)
+        tokens = torch.arange(1, 5, device="cuda")[:, None]
+        for _ in range(STEPS):
+            want = model(input_ids=tokens, cache=cache, use_cache=True).logits
+            got = graphed(tokens).clone()
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            tokens = (tokens * 7 + 3) % 50 + 1  # each row its own next token
+    assert graphed.graph is not None
