@@ -103,8 +103,9 @@ class HedgehogKernel(FeatureKernel):
         if x.shape[-2] >= both.shape[-1]:
             return torch.softmax((x @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
         heads = both.shape[:-2]
-        rows = x.movedim(0, len(heads)).reshape(*heads, -1, x.shape[-1])  # [*heads, B * L, D]
-        features = torch.softmax((rows @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
+        rows = x.movedim(0, len(heads)).reshape(-1, x.shape[0] * x.shape[-2], x.shape[-1])  # [heads, B * L, D]
+        products = torch.bmm(rows, both.reshape(-1, *both.shape[-2:]))  # (bmm: fewer dispatches than matmul)
+        features = torch.softmax(products.unflatten(-1, (2, -1)), dim=-1).flatten(-2)
         return features.view(*heads, x.shape[0], x.shape[-2], -1).movedim(len(heads), 0)
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
