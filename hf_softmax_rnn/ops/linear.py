@@ -175,9 +175,8 @@ def recurrent_linear_attention(
             factor = log_decay[..., t, None, None].exp()
             state = state.mul_(factor) if in_place else state * factor
         state = _add_outer_product(state, phi_k[..., t, :], v[..., t, :], in_place)
-        outputs.append(phi_q[..., t, :] @ state)
-    out = outputs[0].unsqueeze(-2) if len(outputs) == 1 else torch.stack(outputs, dim=-2)  # (decoding: no copy)
-    return out, state
+        outputs.append(grouped_matmul(phi_q[..., t : t + 1, :], state))
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)), state  # (decoding: no copy)
 
 
 def _add_outer_product(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:
