@@ -487,6 +487,7 @@ def attention(
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
             flex_inputs=_flex_inputs(promoted_qkv, out_dtype) if window_fused == "flex" else None,
             fresh_state=fresh_state,
+            keep_state=needs_state,
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)
@@ -524,6 +525,7 @@ def _finite_state(
     log_decay: torch.Tensor | None = None,
     flex_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fresh_state: bool = False,
+    keep_state: bool = True,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -536,7 +538,8 @@ def _finite_state(
     an empty buffer and no state wanted back) the exact part, sinks included, runs in FlexAttention.
     One recurrent step of a hybrid (decoding) takes `ops.window_step`, the same result in fewer
     operations. `fresh_state`: `state` is the empty state (the kept selection then scores only as many
-    slots as can be filled)."""
+    slots as can be filled). `keep_state=False`: the caller discards the new state (training), whose
+    window buffers and finite state are then not written where that costs a pass (their fields None)."""
     if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
         return window_hybrid_step(
             q, k, augmented_v, key_mask, state, kernel, spec, window_scale, linear_log_scale, in_place, log_decay
@@ -561,10 +564,11 @@ def _finite_state(
         window_valid = valid & ~is_sink
     new_state = RecurrentState(packed=packed, t=state.t)
     if spec.window is not None:
-        new_state.window_keys = keys[..., -spec.window :, :].clone()
-        new_state.window_values = values[..., -spec.window :, :].clone()
-        new_state.window_valid = valid[:, -spec.window :].clone()
-        new_state.window_start = torch.zeros_like(state.t)
+        if keep_state:
+            new_state.window_keys = keys[..., -spec.window :, :].clone()
+            new_state.window_values = values[..., -spec.window :, :].clone()
+            new_state.window_valid = valid[:, -spec.window :].clone()
+            new_state.window_start = torch.zeros_like(state.t)
         exact, row_max, saliency = None, None, None
         if flex_inputs is None:
             query_valid = key_mask if spec.kept is not None else None
@@ -592,7 +596,7 @@ def _finite_state(
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay, fresh_state
+            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay, fresh_state, keep_state
         )
     else:
         linear, packed = recurrent_linear_attention(q, entering_keys, entering, packed, kernel, in_place, log_decay)

@@ -68,10 +68,12 @@ def fla_chunked_linear_attention(
     chunk_function: Callable,
     log_decay: torch.Tensor | None = None,
     empty_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    final_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the final state, in q's dtype; `log_decay`
     `[B, Hkv, L]` decays the state (None = no decay). `empty_state`: `state` is zero (a call from the
-    start), so fla gets no initial state and the denominator adds no initial z."""
+    start), so fla gets no initial state and the denominator adds no initial z. `final_state=False`:
+    fla does not write the final state, and None is returned in its place."""
     batch, kv_heads, group, length, _ = q.shape
     heads, (features, width) = kv_heads * group, state.shape[-2:]
     # with a decay the weight column goes through fla with the values (z decays with S); without, z is
@@ -86,12 +88,15 @@ def fla_chunked_linear_attention(
         g=None if log_decay is None else log_decay.transpose(1, 2).repeat_interleave(group, dim=2),  # (fp32)
         scale=factor,
         initial_state=None if empty_state else _initial_state(state[..., :carried], group),
-        output_final_state=True,
+        output_final_state=final_state,
     )
     numerator = out[..., :carried].transpose(1, 2).reshape(batch, kv_heads, group, length, carried)
-    final_state = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :carried].to(q.dtype)
+    if final_state:
+        final = final.view(batch, kv_heads, group, *final.shape[2:])[:, :, 0, :features, :carried].to(q.dtype)
+    else:
+        final = None
     if log_decay is not None:
-        return numerator.to(q.dtype), final_state
+        return numerator.to(q.dtype), final
     # the denominator reads the features as fla reads them (in io_dtype): autograd then keeps one copy
     # of them, the one fla keeps, not a float32 one beside it; the weight column is the padding mask,
     # detached: no gradient to send back (nor a zero-filled one to add)
@@ -101,8 +106,9 @@ def fla_chunked_linear_attention(
         running_z = state[..., None, :, -1] + running_z
     grouped_q = fla_q[..., :features].view(batch, length, kv_heads, group, features).permute(0, 2, 3, 1, 4)
     denominator = (grouped_q * running_z[:, :, None]).sum(-1, keepdim=True) * factor  # in the state's dtype
-    final_state = torch.cat([final_state, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
-    return torch.cat([numerator, denominator], dim=-1), final_state  # (cat converts fla's dtype to the state's)
+    if final is not None:
+        final = torch.cat([final, running_z[..., -1, :, None]], dim=-1)  # one copy per KV head
+    return torch.cat([numerator, denominator], dim=-1), final  # (cat converts fla's dtype to the state's)
 
 
 #: fla's chunk length: segments are a multiple of it where the segment length allows.

@@ -126,15 +126,19 @@ def chunked_linear_attention(
     io_dtype: torch.dtype | None = None,
     log_decay: torch.Tensor | None = None,
     empty_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    final_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
     `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's); `log_decay`
     `[B, Hkv, L]`: the decay of the state at each position (None = no decay); `empty_state`: `state`
-    is zero, which the fused kernel then need not read."""
+    is zero, which the fused kernel then need not read; `final_state=False`: the caller discards the
+    state after the call (training), which the fused kernel then neither writes nor returns (None)."""
     io_dtype = io_dtype or q.dtype
     chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
-        return fla_chunked_linear_attention(q, k, v, state, kernel, io_dtype, chunk_function, log_decay, empty_state)
+        return fla_chunked_linear_attention(
+            q, k, v, state, kernel, io_dtype, chunk_function, log_decay, empty_state, final_state
+        )
     if log_decay is not None:
         return chunked_decayed_linear_attention(q, k, v, log_decay, state, kernel, chunk_size)
     if kernel.hand_written and not torch.compiler.is_compiling():  # its preallocated out= buffers do not trace

@@ -86,6 +86,37 @@ def test_fla_receives_one_head_per_query_head(reference_fla):
     assert reference_fla == [(torch.Size([2, 5, 6, 8]), 8)]  # time-major [B, L, H, F]
 
 
+@pytest.mark.parametrize("name", ["linear_elu", "decay_window2_sinks2_elu_gates", "window3_hedgehog"])
+def test_a_call_without_a_state_asks_fla_for_no_final_state(name, monkeypatch):
+    """`return_state=False` (training): fla writes no final state (`output_final_state=False`), and the
+    outputs and gradients are those of a call that returns its state."""
+    asked = []
+
+    def reference(*args, **kwargs):
+        asked.append(kwargs["output_final_state"])
+        return chunk_simple_gla_reference(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(backends, "FUSED_DTYPES", (*backends.FUSED_DTYPES, torch.float64))
+    monkeypatch.setattr(backends, "fla_chunk_function", lambda: reference)
+    spec = FINITE_SPECS[name]
+    q, k, v, gate_logits = make_inputs(length=9, requires_grad=True)
+    params = make_params(spec, requires_grad=True)
+    gated_v, gates = gated(spec, v, gate_logits)
+    results = []
+    for return_state in (False, True):
+        out, state = attention(
+            q, k, gated_v, spec, mode="chunked", attention_mask=left_padding_mask(2, 9, [0, 2]), gates=gates,
+            params=as_params(params), return_state=return_state,
+        )  # fmt: skip
+        assert (state is None) == (not return_state)
+        results.append((out, torch.autograd.grad(out.sum(), [q, k, v], retain_graph=True)))
+    assert asked == [False, True]
+    torch.testing.assert_close(results[0][0], results[1][0], **TOL)
+    for got, want in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
     """fla gets values of width Dv (64 in the real models, not 65 padded to 66): the denominator is
     a cumulative sum beside it. An odd Dv is padded to even and cut off again."""
