@@ -369,10 +369,13 @@ def kept_step(
         takes | held,
     )
     indices = (rows.expand_as(held_key), rows.expand_as(held_value), weakest, weakest, weakest)
-    buffers = tuple(
-        buffer.scatter_(2, index, new) if in_place else buffer.scatter(2, index, new)
-        for buffer, index, new in zip(buffers, indices, slot)
-    )
+    buffers = tuple(write_slots(buffer, 2, index, new, in_place) for buffer, index, new in zip(buffers, indices, slot))
     entering_key = torch.where(takes[..., None], held_key, leaving_key)
     entering_value = torch.where(takes[..., None], held_value * held[..., None], leaving_value)
     return entering_key, entering_value, buffers
+
+
+def write_slots(buffer: torch.Tensor, dim: int, index: torch.Tensor, new, in_place: bool) -> torch.Tensor:
+    """`buffer` with `new` (a tensor shaped as `index`, or a number) written at `index` along `dim`: into
+    `buffer` itself when `in_place` (decoding without autograd: one write of the slots), else into a copy."""
+    return buffer.scatter_(dim, index, new) if in_place else buffer.scatter(dim, index, new)

@@ -29,7 +29,7 @@ import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kept import kept_step
+from hf_softmax_rnn.ops.kept import kept_step, write_slots
 from hf_softmax_rnn.ops.kernels import FeatureKernel, row_shift
 from hf_softmax_rnn.ops.linear import recurrent_linear_attention
 from hf_softmax_rnn.ops.sinks import visible_ranks
@@ -76,9 +76,9 @@ def window_hybrid_step(
     key_rows, value_rows = rows.expand(k.shape), rows.expand(augmented_v.shape)
     leaving_key = state.window_keys.gather(2, key_rows).to(dtype)
     leaving_value = state.window_values.gather(2, value_rows).to(dtype)
-    window_keys = _scatter(state.window_keys.to(dtype), 2, key_rows, k, in_place)
-    window_values = _scatter(state.window_values.to(dtype), 2, value_rows, augmented_v, in_place)
-    visible = _scatter(state.window_valid, 1, slot, key_mask, in_place)  # [B, W], slot order
+    window_keys = write_slots(state.window_keys.to(dtype), 2, key_rows, k, in_place)
+    window_values = write_slots(state.window_values.to(dtype), 2, value_rows, augmented_v, in_place)
+    visible = write_slots(state.window_valid, 1, slot, key_mask, in_place)  # [B, W], slot order
     fields = dict(window_keys=window_keys, window_values=window_values, window_valid=visible)
     fields["window_start"] = (following % window)[:, 0]
     sinks = []
@@ -127,7 +127,7 @@ def window_hybrid_step(
     numerator = sum(grouped_matmul(part_weights, part) for part_weights, part in zip(weights, values))
     if spec.kept is not None:
         fields["left_score"] = leaving_saliency[..., 0]
-        entered = _scatter(window_scores, 2, score_rows, 0.0, in_place)  # the new key has no saliency yet
+        entered = write_slots(window_scores, 2, score_rows, 0.0, in_place)  # the new key has no saliency yet
         fields["window_scores"] = torch.maximum(entered, _saliency(x[..., :window].detach(), key_mask, dtype))
     linear, fields["packed"] = recurrent_linear_attention(
         q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay
@@ -166,8 +166,3 @@ def window_in_order(state: RecurrentState) -> RecurrentState:
             index = order.view(batch, 1, window, *[1] * (buffer.dim() - 3))
             ordered[name] = buffer.gather(2, index.expand(buffer.shape))
     return dataclasses.replace(state, **ordered)
-
-
-def _scatter(buffer: torch.Tensor, dim: int, index: torch.Tensor, new, in_place: bool) -> torch.Tensor:
-    """`buffer` with `new` written at `index` along `dim`: into `buffer` itself when `in_place`."""
-    return buffer.scatter_(dim, index, new) if in_place else buffer.scatter(dim, index, new)
