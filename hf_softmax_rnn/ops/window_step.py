@@ -30,7 +30,7 @@ import torch
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kept import kept_step, write_slots
-from hf_softmax_rnn.ops.kernels import FeatureKernel, row_shift
+from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero, row_shift
 from hf_softmax_rnn.ops.linear import recurrent_linear_attention
 from hf_softmax_rnn.ops.sinks import visible_ranks
 from hf_softmax_rnn.ops.window import mix_weight
@@ -138,8 +138,7 @@ def window_hybrid_step(
 def _saliency(window_scores: torch.Tensor, query_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`[B, Hkv, W]` the largest window-softmax weight of each window key over the query heads, from the
     masked scores `[B, Hkv, G, 1, W]` (0 for a padding query), as `ops.window` computes it for a block."""
-    weights = torch.exp(window_scores - row_shift(window_scores))
-    probabilities = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    probabilities = finite_or_zero(torch.softmax(window_scores, dim=-1))  # (a row with nothing visible: NaN -> 0)
     return probabilities.amax(dim=(2, 3)) * query_valid.to(dtype)[:, :, None]
 
 
