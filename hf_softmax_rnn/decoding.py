@@ -43,9 +43,10 @@ def static_cache_from(
     becomes rows i * repeats ... (i + 1) * repeats - 1, as `Cache.batch_repeat_interleave` orders them).
 
     Recurrent layers get their state; KV layers their keys and values in the first positions of buffers of
-    `max_cache_len` positions, which must leave room for the tokens still to decode. With one row, the
-    copies are written from a broadcast view (no intermediate copy of the repeated cache: a KV cache at a
-    batch that fills the GPU fits once, not twice).
+    `max_cache_len` positions, which must leave room for the tokens still to decode. KV layers are written
+    from a broadcast view of their rows, and recurrent states too when the cache holds one row, so the
+    repeated cache is never held twice (a KV cache at a batch that fills the GPU fits once); recurrent
+    states of several rows are repeated into a copy first.
 
     Args:
         cache: a `DynamicCache` the model was run with (every layer filled).
