@@ -79,9 +79,13 @@ def test_block_calls_between_steps_read_the_ring_in_position_order(name):
     whole, whole_state = _call(spec, inputs, slice(0, LENGTH), "chunked", None)
     outs, state = _call(spec, inputs, slice(0, 3), "chunked", None)
     outs = [outs]
+    starts = []
     for part in [slice(step, step + 1) for step in range(3, 8)] + [slice(8, 11), slice(11, 12), slice(12, 14)]:
         out, state = _call(spec, inputs, part, "recurrent" if part.stop - part.start == 1 else "chunked", state)
         outs.append(out)
+        starts.append(int(state.window_start[0]))
+    steps_then_block = [(step + 1) % spec.window for step in range(5)] + [0, 1 % spec.window, 0]
+    assert starts == steps_then_block and torch.equal(state.window_start, torch.zeros(2, dtype=torch.long))
     torch.testing.assert_close(torch.cat(outs, dim=-2), whole, **TOL)
     _assert_same_state(state, whole_state)
 
