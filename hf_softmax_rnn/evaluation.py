@@ -90,14 +90,29 @@ def _max_positions(model) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
-def check_within_positions(model, length: int, what: str) -> None:
-    """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings)."""
+def check_within_positions(model, length: int, what: str, *, past_max_positions: bool | None = None) -> None:
+    """Refuse `length` tokens when the model's config names fewer positions (max_position_embeddings).
+    `past_max_positions=True` scores them anyway (logged) where positions are computed (rotary), not
+    looked up in a learned table that has no rows past the limit; False refuses and names that opt-in;
+    None (a caller without it) refuses."""
     limit = _max_positions(model)
-    if limit is not None and length > limit:
+    if limit is None or length <= limit:
+        return
+    config = model.config
+    if past_max_positions and getattr(config, "rope_parameters", None) is None:
         raise UserInputError(
-            f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
-            f"expected at most {limit}"
+            f"{what}={length} is more than the model's {limit} positions, and {type(model).__name__} looks its "
+            f"positions up in a learned table of {limit} rows (no rotary embedding), so past_max_positions cannot "
+            f"score past them; expected at most {limit}"
         )
+    if past_max_positions:
+        logger.warning("%s=%d is past the model's %d positions (config.max_position_embeddings)", what, length, limit)
+        return
+    opt_in = "" if past_max_positions is None else ", or past_max_positions=True (--past-max-positions) to score them"
+    raise UserInputError(
+        f"{what}={length} is more than the model's {limit} positions (config.max_position_embeddings); "
+        f"expected at most {limit}{opt_in}"
+    )
 
 
 def _default_max_length(model) -> int:

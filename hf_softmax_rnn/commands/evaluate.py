@@ -23,6 +23,7 @@ from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_model
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context.extend import check_factor, extend_context
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
@@ -58,6 +59,17 @@ class EvaluateOptions:
     depths: list[float] = option(list(DEFAULT_DEPTHS), "where the key sits, as fractions of the filler")
     trials: int = option(2, "passkey prompts per (length, depth)")
     seed: int = option(0, "seed of the passkey keys and filler offsets")
+    extend_context: float | None = option(
+        None,
+        "read FACTOR times the models' max_position_embeddings: their rotary embeddings rescaled by YaRN, no "
+        "training (hf_softmax_rnn.long_context.extend_context)",
+        metavar="FACTOR",
+    )
+    past_max_positions: bool = option(
+        False,
+        "score positions past the models' max_position_embeddings too (how they read beyond the context they were "
+        "trained for; the table marks those buckets)",
+    )
     output: str | None = option(None, f"folder for {RESULTS_FILE} and {PLOT_FILE} (default: no files)")
     progress: bool = option(True, "no progress bars", flag="--no-progress")
 
@@ -72,6 +84,7 @@ class EvaluateOptions:
             depths=tuple(self.depths),
             trials=self.trials,
             seed=self.seed,
+            past_max_positions=self.past_max_positions,
         )
 
 
@@ -92,6 +105,8 @@ def original_of(model: str) -> str:
 def run(args: argparse.Namespace) -> str:
     options = EvaluateOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvaluateOptions)})
     settings = options.settings()
+    if options.extend_context is not None:
+        check_factor(options.extend_context)
     if options.output is not None and Path(options.output).is_file():
         raise UserInputError(f"--output {options.output!r} is a file; expected a folder")
     texts = load_eval_texts(options.texts)
@@ -102,6 +117,8 @@ def run(args: argparse.Namespace) -> str:
     loaded = {}
     for label, name in names.items():
         model, tokenizer = resolve_model(name)
+        if options.extend_context is not None:
+            extend_context(model, options.extend_context)
         settings.check(model, tokenizer, texts)
         loaded[label] = (model, tokenizer)
     results = {}
@@ -109,12 +126,21 @@ def run(args: argparse.Namespace) -> str:
         logger.info("Long-context evaluation of %s (%s)", label, names[label])
         results[label] = settings.evaluate(model, tokenizer, texts, progress=options.progress)
     reference = ORIGINAL if ORIGINAL in results else "model"
-    report = f"Texts: {options.texts}; {ORIGINAL}: {names.get(ORIGINAL, '-')}; model: {options.model}\n\n"
+    report = f"Texts: {options.texts}; {ORIGINAL}: {names.get(ORIGINAL, '-')}; model: {options.model}"
+    if options.extend_context is not None:
+        report += f"; rotary embeddings extended {options.extend_context:g}x (YaRN)"
+    report += "\n\n"
     report += comparison_tables(results, reference)
     if options.output is not None:
         output = Path(options.output)
         output.mkdir(parents=True, exist_ok=True)
-        record = {"models": names, "texts": options.texts, "settings": dataclasses.asdict(settings), **results}
+        record = {
+            "models": names,
+            "texts": options.texts,
+            "extend_context": options.extend_context,
+            "settings": dataclasses.asdict(settings),
+            **results,
+        }
         (output / RESULTS_FILE).write_text(json.dumps(record, indent=1))
         plot_long_context(results, reference, output / PLOT_FILE, title=f"{options.model} on {options.texts}")
         report += f"\n\nWrote {output / RESULTS_FILE} and {output / PLOT_FILE}"

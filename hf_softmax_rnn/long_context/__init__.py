@@ -1,7 +1,9 @@
 """Long-context evaluation: perplexity per position bucket and passkey retrieval, on texts of
-another kind than the training corpus (`data/eval_texts.py`), for a model beside the original; and the
-retrieval heads of an unconverted model, which decide where a hybrid keeps more exact keys."""
+another kind than the training corpus (`data/eval_texts.py`), for a model beside the original; the
+retrieval heads of an unconverted model, which decide where a hybrid keeps more exact keys; and YaRN
+scaling of a rotary model's positions, to read past the context it was trained for."""
 
+from hf_softmax_rnn.long_context.extend import extend_context
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, passkey_retrieval
 from hf_softmax_rnn.long_context.positions import DEFAULT_BUCKETS, position_perplexity
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
@@ -13,6 +15,7 @@ __all__ = [
     "DEFAULT_LENGTHS",
     "LongContextSettings",
     "comparison_tables",
+    "extend_context",
     "passkey_retrieval",
     "plot_long_context",
     "position_perplexity",

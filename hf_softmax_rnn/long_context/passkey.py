@@ -37,16 +37,22 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
 def check_passkey_settings(
-    model, lengths: Sequence[int], depths: Sequence[float], trials: int, max_new_tokens: int
+    model,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    max_new_tokens: int,
+    past_max_positions: bool | None = None,
 ) -> None:
-    """Refuse lengths beyond the model's positions or too short for the prompt, depths outside [0, 1]."""
+    """Refuse lengths beyond the model's positions (unless `past_max_positions`) or too short for the
+    prompt, depths outside [0, 1]."""
     check_count("trials", trials)
     check_count("max_new_tokens", max_new_tokens)
     if not lengths or not depths:
         raise UserInputError(f"lengths={tuple(lengths)} and depths={tuple(depths)} must both be non-empty")
     for length in lengths:
         check_count("passkey length", length)
-        check_within_positions(model, length, "passkey length")
+        check_within_positions(model, length, "passkey length", past_max_positions=past_max_positions)
     for depth in depths:
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
             raise UserInputError(f"passkey depth={depth!r} is not allowed; expected a number in [0, 1]")
@@ -109,6 +115,7 @@ def passkey_retrieval(
     seed: int = 0,
     max_new_tokens: int = 8,
     progress: bool = True,
+    past_max_positions: bool = False,
 ) -> dict:
     """Accuracy of greedy passkey answers per length (and per depth); see the module docstring.
 
@@ -116,12 +123,13 @@ def passkey_retrieval(
         filler: texts to hide the key in; each prompt takes its filler from a random offset of
             their first `2 * max(lengths)` tokens.
         trials: prompts per (length, depth), each with its own key and filler offset.
+        past_max_positions: allow lengths past the model's `max_position_embeddings`.
 
     Returns {"lengths": {length: {"accuracy", "correct", "trials", "tokens" (prompt tokens read),
     "seconds", "depths": {depth: accuracy}}}, "answers": [{"length", "depth", "key", "answer",
     "correct"}]}; the keys of "lengths" and "depths" are strings (JSON).
     """
-    check_passkey_settings(model, lengths, depths, trials, max_new_tokens)
+    check_passkey_settings(model, lengths, depths, trials, max_new_tokens, past_max_positions)
     stream = passkey_filler(tokenizer, filler, lengths, max_new_tokens)
     rng = random.Random(seed)
     device = next(model.parameters()).device

@@ -178,25 +178,29 @@ def position_perplexity(
     attention_mode: str | None = "chunked",
     slice_size: int = DEFAULT_SLICE,
     progress: bool = True,
+    past_max_positions: bool = False,
 ) -> dict:
     """Perplexity per position bucket of `model` on `texts` (see the module docstring).
 
     Args:
         buckets: sorted, non-overlapping `(start, end)` position ranges; the last end is the
-            sequence length, at most the model's `max_position_embeddings`.
+            sequence length, at most the model's `max_position_embeddings` unless `past_max_positions`.
         num_sequences: sequences scored (None: every full sequence of the texts).
         join: take the start of each document (False) or join the texts into one stream (True).
         attention_mode: no-cache mode of a converted model's finite-state layers (None: as configured).
+        past_max_positions: score positions past the model's `max_position_embeddings` too (how a model
+            reads beyond the context it was trained for).
 
     Returns {"buckets": [{"start", "end", "tokens", "mean_nll", "stderr", "perplexity"}],
-    "sequences", "sequence_length", "tokens" (fed to the model), "seconds"}. The standard error
+    "sequences", "sequence_length", "max_positions" (the model's max_position_embeddings or None),
+    "tokens" (fed to the model), "seconds"}. The standard error
     is that of the mean over tokens taken as independent (neighbouring tokens are not, so it is a
     lower bound).
     """
     buckets = check_buckets(buckets)
     check_count("slice_size", slice_size)
     length = buckets[-1][1]
-    check_within_positions(model, length, "bucket end")
+    check_within_positions(model, length, "bucket end", past_max_positions=past_max_positions)
     sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
     device = next(model.parameters()).device
     was_training = model.training
@@ -216,6 +220,7 @@ def position_perplexity(
         "buckets": bucket_statistics(nll, buckets),
         "sequences": len(sequences),
         "sequence_length": length,
+        "max_positions": getattr(model.config, "max_position_embeddings", None),
         "tokens": sequences.numel(),
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -38,7 +38,8 @@ QUICK_LENGTHS = (1024, 2048)
 class LongContextSettings:
     """What to measure: position buckets over `sequences` sequences (None: all; one per document, or
     the texts joined when `join`), passkey at `passkey_lengths` (empty: none) and `depths`, with
-    `trials` prompts per (length, depth)."""
+    `trials` prompts per (length, depth); `past_max_positions` allows buckets and lengths past a model's
+    `max_position_embeddings`."""
 
     buckets: Sequence[Sequence[int]] = QUICK_BUCKETS
     sequences: int | None = 2
@@ -48,6 +49,7 @@ class LongContextSettings:
     trials: int = 1
     seed: int = 0
     max_new_tokens: int = 8
+    past_max_positions: bool = False
 
     def __post_init__(self) -> None:
         self.buckets = check_buckets(self.buckets)
@@ -59,16 +61,25 @@ class LongContextSettings:
     def check(self, model, tokenizer, texts: Sequence[str]) -> None:
         """Refuse what `model` or `texts` cannot hold (positions, tokens), before anything runs."""
         length = self.buckets[-1][1]
-        check_within_positions(model, length, "bucket end")
+        check_within_positions(model, length, "bucket end", past_max_positions=self.past_max_positions)
         eval_sequences(tokenizer, texts, length, num_sequences=self.sequences, join=self.join)
         if self.passkey_lengths:
-            check_passkey_settings(model, self.passkey_lengths, self.depths, self.trials, self.max_new_tokens)
+            check_passkey_settings(
+                model, self.passkey_lengths, self.depths, self.trials, self.max_new_tokens, self.past_max_positions
+            )
             passkey_filler(tokenizer, texts, self.passkey_lengths, self.max_new_tokens)
 
     def evaluate(self, model, tokenizer, texts: Sequence[str], *, progress: bool = True) -> dict:
         """{"positions": `position_perplexity`, "passkey": `passkey_retrieval` or None} of one model."""
         positions = position_perplexity(
-            model, tokenizer, texts, self.buckets, num_sequences=self.sequences, join=self.join, progress=progress
+            model,
+            tokenizer,
+            texts,
+            self.buckets,
+            num_sequences=self.sequences,
+            join=self.join,
+            progress=progress,
+            past_max_positions=self.past_max_positions,
         )
         passkey = None
         if self.passkey_lengths:
@@ -82,6 +93,7 @@ class LongContextSettings:
                 seed=self.seed,
                 max_new_tokens=self.max_new_tokens,
                 progress=progress,
+                past_max_positions=self.past_max_positions,
             )
         return {"positions": positions, "passkey": passkey}
 
@@ -90,15 +102,25 @@ def _bucket_label(bucket: dict) -> str:
     return f"{bucket['start']:,}-{bucket['end']:,}"
 
 
+def _past_limit(positions: dict) -> int | None:
+    """The max_position_embeddings that the buckets of a `position_perplexity` result go past, if any."""
+    limit = positions.get("max_positions")
+    return limit if limit and positions["buckets"][-1]["end"] > limit else None
+
+
 def comparison_tables(results: dict[str, dict], reference: str) -> str:
     """Markdown: perplexity per bucket of each model (with its ratio to `reference`), then passkey
-    accuracy per length; tokens scored and wall time beside the numbers."""
+    accuracy per length; tokens scored and wall time beside the numbers. Buckets that end past the
+    reference's max_position_embeddings are marked with *."""
     base = results[reference]["positions"]["buckets"]
-    header = [_bucket_label(b) for b in base]
+    limit = _past_limit(results[reference]["positions"])
+    header = [_bucket_label(b) + (" *" if limit and b["end"] > limit else "") for b in base]
     lines = [
         "Perplexity by position (tokens scored per bucket: "
         + ", ".join(f"{_bucket_label(b)}: {b['tokens']:,}" for b in base)
-        + (f"; in brackets the ratio to {reference})." if len(results) > 1 else ")."),
+        + (f"; in brackets the ratio to {reference}" if len(results) > 1 else "")
+        + (f"; * past max_position_embeddings, {limit:,}" if limit else "")
+        + ").",
         "",
         "| model | " + " | ".join(header) + " | tokens | time |",
         "|---" * (len(header) + 3) + "|",
@@ -172,6 +194,11 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
         axis.set_ylabel(ylabel)
     if compared:
         ratios.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference)
+    limit = _past_limit(results[reference]["positions"])
+    if limit:
+        first_past = next(place for place, b in enumerate(base) if b["end"] > limit)
+        for axis, _ in panels:
+            axis.axvline(first_past - 0.5, color="grey", linestyle=":", label=f"max_position_embeddings ({limit:,})")
     if passkeys:
         _plot_passkey(axes[0, -1], passkeys, colours)
     for axis in axes[0]:

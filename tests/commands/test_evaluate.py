@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.commands.evaluate import original_of
-from hf_softmax_rnn.long_context import passkey_retrieval, position_perplexity
+from hf_softmax_rnn.long_context import extend_context, passkey_retrieval, position_perplexity
 
 from ..long_context.helpers import TEXTS, tiny_converted, tiny_llama, tokenizer
 
@@ -57,6 +57,46 @@ def test_tables_of_a_model_beside_its_original(saved, tmp_path, capsys):
     assert (tmp_path / "long_context.png").stat().st_size > 10_000
 
 
+def test_past_max_positions_scores_buckets_past_the_models_positions(saved, tmp_path, capsys):
+    """--past-max-positions: a bucket past the models' 512 positions is scored (as the library scores it)
+    and marked in the table; the settings record it."""
+    argv = ["evaluate", "--model", saved["converted"], "--texts", saved["texts"], "--positions", "0", "256", "600"]
+    argv += ["--sequences", "1", "--passkey", "0", "--past-max-positions", "--no-progress", "--output", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| model | 0-256 | 256-600 * | tokens | time |" in out and "* past max_position_embeddings, 512" in out
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["settings"]["past_max_positions"] is True
+    model = AutoModelForCausalLM.from_pretrained(saved["converted"]).eval()
+    text = open(f"{saved['texts']}/00.txt").read().strip()
+    expected = position_perplexity(
+        model, tokenizer(), [text], ((0, 256), (256, 600)), num_sequences=1, progress=False, past_max_positions=True
+    )
+    assert [b["perplexity"] for b in record["model"]["positions"]["buckets"]] == pytest.approx(
+        [b["perplexity"] for b in expected["buckets"]], rel=1e-5
+    )
+
+
+def test_extend_context_rescales_both_models_before_they_are_scored(saved, tmp_path, capsys):
+    """--extend-context 2: both models read 1,024 positions (YaRN), as `extend_context` makes them; a bucket
+    past their former 512 needs no --past-max-positions."""
+    argv = ["evaluate", "--model", saved["converted"], "--texts", saved["texts"], "--positions", "0", "256", "600"]
+    argv += ["--sequences", "1", "--passkey", "0", "--extend-context", "2", "--no-progress", "--output", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rotary embeddings extended 2x (YaRN)" in out and "*" not in out
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["extend_context"] == 2.0
+    text = open(f"{saved['texts']}/00.txt").read().strip()
+    for label, folder in (("model", saved["converted"]), ("original", saved["original"])):
+        model = extend_context(AutoModelForCausalLM.from_pretrained(folder).eval(), 2)
+        buckets = ((0, 256), (256, 600))
+        expected = position_perplexity(model, tokenizer(), [text], buckets, num_sequences=1, progress=False)
+        assert [b["perplexity"] for b in record[label]["positions"]["buckets"]] == pytest.approx(
+            [b["perplexity"] for b in expected["buckets"]], rel=1e-5
+        )
+
+
 def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
     assert original_of(saved["converted"]) == f"{saved['converted']}/../original"
     assert original_of(str(tmp_path)) == "default"
@@ -73,8 +113,19 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         (["--depths", "2"], "passkey depth=2.0 is not allowed"),
         (["--sequences", "50"], "fewer than the 50 asked for"),
         (["--texts", "short"], "evaluation text 0 has 30 tokens, fewer than the 64 positions"),
+        (["--extend-context", "1"], "extend_context: factor=1.0 is not allowed; expected a finite number above 1"),
+        (["--extend-context", "2", "--positions", "0", "64", "1100"], "bucket end=1100 is more than the model's 1024"),
     ],
-    ids=["bucket-beyond-positions", "unsorted-edges", "passkey-beyond-positions", "depth", "too-few", "too-short"],
+    ids=[
+        "bucket-beyond-positions",
+        "unsorted-edges",
+        "passkey-beyond-positions",
+        "depth",
+        "too-few",
+        "too-short",
+        "extend-factor",
+        "beyond-extended-positions",
+    ],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):
     argv = ["evaluate", "--model", saved["original"], "--texts", saved["texts"], "--positions", "0", "16", "64"]

@@ -119,6 +119,17 @@ def test_bad_settings_are_refused_before_any_answer(kwargs, message, tok):
         passkey_retrieval(model, tok, FILLER, **{"lengths": (300,), **kwargs}, progress=False)
 
 
+def test_a_prompt_past_max_position_embeddings_is_answered_only_when_asked(tok):
+    """A rotary model with 512 positions answers a prompt of 600 tokens only with `past_max_positions`."""
+    model = tiny_converted("linear_elu")
+    with pytest.raises(UserInputError, match="passkey length=600 is more than the model's 512 .*--past-max-positions"):
+        passkey_retrieval(model, tok, FILLER, lengths=(600,), depths=(0.5,), trials=1, progress=False)
+    result = passkey_retrieval(
+        model, tok, FILLER, lengths=(600,), depths=(0.5,), trials=1, progress=False, past_max_positions=True
+    )
+    assert result["lengths"]["600"]["trials"] == 1 and result["lengths"]["600"]["tokens"] == 592
+
+
 def test_too_little_filler_is_refused(tok):
     model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
     with pytest.raises(UserInputError, match="the filler texts hold 2[0-9]{2} tokens, fewer than .* 400"):

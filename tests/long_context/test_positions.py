@@ -103,6 +103,32 @@ def test_bad_buckets_are_refused_before_scoring(buckets, message, byte_tok, monk
         position_perplexity(model, byte_tok, TEXTS, buckets, progress=False)
 
 
+@pytest.mark.parametrize("name", ["llama", "converted-hedgehog_window_64"], ids=["llama", "converted"])
+def test_positions_past_max_position_embeddings_are_scored_only_when_asked(name, byte_tok):
+    """A rotary model scores positions past its 512 only with `past_max_positions`, then as a plain forward
+    bucketed by hand does; without it the refusal names the opt-in."""
+    model = MODELS[name]().double()
+    buckets = ((0, 256), (256, 600))
+    with pytest.raises(UserInputError, match=r"bucket end=600 is more than the model's 512 .*past_max_positions=True"):
+        position_perplexity(model, byte_tok, TEXTS, buckets, num_sequences=1, join=True, progress=False)
+    result = position_perplexity(
+        model, byte_tok, TEXTS, buckets, num_sequences=1, join=True, progress=False, past_max_positions=True
+    )
+    expected = _by_hand(model, eval_sequences(byte_tok, TEXTS, 600, num_sequences=1, join=True), buckets)
+    assert [b["mean_nll"] for b in result["buckets"]] == pytest.approx([mean for _, mean, _ in expected], rel=1e-9)
+    assert (result["sequence_length"], result["max_positions"]) == (600, 512)
+
+
+def test_a_learned_position_table_is_not_scored_past_its_rows(byte_tok, monkeypatch):
+    """GPT-2 looks positions up in a table of 512 rows: past it there is nothing to score, asked or not."""
+    model = tiny_gpt2()
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(UserInputError, match="bucket end=600 .* a learned table of 512 rows"):
+        position_perplexity(
+            model, byte_tok, TEXTS, ((0, 600),), num_sequences=1, join=True, progress=False, past_max_positions=True
+        )
+
+
 @pytest.mark.parametrize(
     ("join", "message"),
     [(False, "evaluation text 0 has 2[0-9]{2} tokens, fewer than the 400 positions"), (True, "fewer than the 9 asked")],

@@ -29,6 +29,26 @@ def test_table_gives_each_model_beside_the_reference():
     assert "| trained | 25% (1/4; 4k tok, 9 s) | 25% (1/4; 4k tok, 9 s) |" in text
 
 
+@pytest.mark.parametrize("limit", [100, 256, None], ids=["past-the-limit", "at-the-limit", "no-limit"])
+def test_buckets_past_max_position_embeddings_are_marked_in_the_table_and_the_plot(limit, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = {"original": _result([10.0, 8.0]), "trained": _result([15.0, 12.0])}
+    for result in results.values():
+        result["positions"]["max_positions"] = limit
+    text = comparison_tables(results, "original")
+    plot_long_context(results, "original", tmp_path / "plot.png")
+    marked = [line for axis in figures[0].axes for line in axis.lines if "max_position_embeddings" in line.get_label()]
+    if limit == 100:
+        assert "| model | 0-64 | 64-256 * | tokens | time |" in text
+        assert "; * past max_position_embeddings, 100)." in text
+        assert [list(line.get_xdata()) for line in marked] == [[0.5, 0.5]] * 2
+    else:
+        assert "*" not in text and marked == []
+
+
 def test_table_without_passkey_has_no_passkey_section():
     assert "Passkey" not in comparison_tables({"original": _result([10.0, 8.0])}, "original")
 

@@ -1,0 +1,81 @@
+"""Reading past the context a rotary model was trained for, without training: YaRN position scaling.
+
+A model with rotary position embeddings sees, between a query and a key, a rotation by their
+distance. Past the distances it was trained on, its scores leave the range it knows and its
+perplexity climbs steeply, and a model converted from it inherits that limit.
+`extend_context(model, factor)` rescales the rotary frequencies by YaRN (transformers'
+`rope_type="yarn"`: the slow frequencies interpolated by `factor`, the fast ones kept, cos and sin
+scaled by 0.1 ln(factor) + 1), so that `factor` times as many positions stay within the trained
+range. A converted model extends as its original does: its exact parts and its feature maps read
+the same rotated queries and keys. docs/long_context.md measures what it gains past the original
+range and costs within it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+
+from hf_softmax_rnn.errors import UserInputError
+
+logger = logging.getLogger(__name__)
+
+
+def _rotary_modules(model) -> list[tuple[object, str, object]]:
+    """(parent, attribute name, module) of each rotary embedding of `model` (modules with `inv_freq`)."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if hasattr(child, "inv_freq") and hasattr(child, "rope_type"):
+                found.append((parent, name, child))
+    return found
+
+
+def check_factor(factor) -> None:
+    """Refuse a context factor that is not a finite real number above 1."""
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 1 < factor < math.inf:
+        raise UserInputError(f"extend_context: factor={factor!r} is not allowed; expected a finite number above 1")
+
+
+def extend_context(model, factor: float):
+    """`model` (in place, and returned) reading `factor` times its `config.max_position_embeddings`:
+    its rotary embeddings rebuilt with YaRN scaling by `factor` (> 1) from the config's own
+    frequencies, and `max_position_embeddings` multiplied by `factor`. Saved, the model keeps it.
+
+    Raises UserInputError for a factor that is not a number above 1, a model without rotary position
+    embeddings (GPT-2 looks positions up in a learned table), or one whose rotary embedding is already
+    scaled (its `rope_type` is not "default").
+    """
+    check_factor(factor)
+    config = model.config
+    rope = getattr(config, "rope_parameters", None)
+    modules = _rotary_modules(model)
+    if not isinstance(rope, dict) or "rope_type" not in rope or not modules:
+        raise UserInputError(
+            f"extend_context: {type(model).__name__} has no rotary position embedding to rescale (a learned "
+            "position table, as GPT-2's, has no rows past its limit); expected a model with rope_parameters"
+        )
+    if rope["rope_type"] != "default":
+        raise UserInputError(
+            f"extend_context: the model's rotary embedding is already scaled (rope_type={rope['rope_type']!r}); "
+            "expected rope_type 'default'"
+        )
+    original = config.max_position_embeddings
+    config.rope_parameters = {
+        **rope,
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+    }
+    config.max_position_embeddings = int(original * factor)
+    for parent, name, module in modules:
+        rebuilt = type(module)(config=config)
+        setattr(parent, name, rebuilt.to(module.inv_freq.device))
+    logger.info(
+        "Rotary embeddings scaled by YaRN, factor %s: %d -> %d positions",
+        factor,
+        original,
+        config.max_position_embeddings,
+    )
+    return model

@@ -1,0 +1,83 @@
+"""`extend_context`: a rotary model, unmodified or converted, rescaled in place reads as transformers'
+own model built from the YaRN config does; it keeps the scaling when saved; bad input is refused
+before the model changes."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_softmax_rnn import convert
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context import extend_context, position_perplexity
+
+from .helpers import LLAMA_KWARGS, POSITIONS, TEXTS, tiny_gpt2, tiny_llama, tokenizer
+
+YARN_2 = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": POSITIONS}
+PRESETS = [None, "hedgehog_window_64", "linear_elu"]
+
+
+def _model(preset: str | None, config: LlamaConfig | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config or LlamaConfig(**LLAMA_KWARGS)).double().eval()
+    return model if preset is None else convert(model, preset, attention_mode="parallel").eval()
+
+
+def _logits(model, length: int = 2 * POSITIONS) -> torch.Tensor:
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=["llama", "hedgehog_window_64", "linear_elu"])
+def test_an_extended_model_reads_as_the_model_built_from_the_yarn_config(preset):
+    model = _model(preset)
+    before = _logits(model)
+    assert extend_context(model, 2) is model
+    assert model.config.max_position_embeddings == 2 * POSITIONS
+    assert model.config.rope_parameters == {**LlamaConfig(**LLAMA_KWARGS).rope_parameters, **YARN_2}
+    config = LlamaConfig(**{**LLAMA_KWARGS, "max_position_embeddings": 2 * POSITIONS}, rope_parameters=YARN_2)
+    reference = _model(preset, config)
+    reference.load_state_dict(model.state_dict())
+    after = _logits(model)
+    torch.testing.assert_close(after, _logits(reference), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(after, before)
+
+
+def test_an_extended_converted_model_keeps_its_scaling_when_saved(tmp_path):
+    model = extend_context(_model("hedgehog_window_64"), 2)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert loaded.config.rope_parameters["rope_type"] == "yarn"
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-10, atol=1e-10)
+
+
+def test_an_extended_model_scores_past_its_former_positions_without_being_asked():
+    model = extend_context(tiny_llama(), 2)
+    result = position_perplexity(model, tokenizer(), TEXTS, ((0, 600),), num_sequences=1, join=True, progress=False)
+    assert result["max_positions"] == 2 * POSITIONS and result["buckets"][0]["tokens"] == 599
+
+
+@pytest.mark.parametrize(
+    ("build", "factor", "message"),
+    [
+        (tiny_llama, 1, "factor=1 is not allowed; expected a finite number above 1"),
+        (tiny_llama, 0.5, "factor=0.5 is not allowed"),
+        (tiny_llama, float("inf"), "factor=inf is not allowed"),
+        (tiny_llama, float("nan"), "factor=nan is not allowed"),
+        (tiny_llama, True, "factor=True is not allowed"),
+        (tiny_llama, "2", "factor='2' is not allowed"),
+        (tiny_gpt2, 2, "GPT2LMHeadModel has no rotary position embedding to rescale"),
+        (lambda: extend_context(tiny_llama(), 2), 2, "already scaled \\(rope_type='yarn'\\)"),
+    ],
+    ids=["one", "below-one", "inf", "nan", "bool", "string", "gpt2", "twice"],
+)
+def test_bad_input_is_refused_and_leaves_the_model_as_it_was(build, factor, message):
+    model = build()
+    config, weights = copy.deepcopy(model.config.to_dict()), copy.deepcopy(model.state_dict())
+    with pytest.raises(UserInputError, match=message):
+        extend_context(model, factor)
+    assert model.config.to_dict() == config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name])
