@@ -41,11 +41,12 @@ def check_factor(factor) -> None:
 def extend_context(model, factor: float):
     """`model` (in place, and returned) reading `factor` times its `config.max_position_embeddings`:
     its rotary embeddings rebuilt with YaRN scaling by `factor` (> 1) from the config's own
-    frequencies, and `max_position_embeddings` multiplied by `factor`. Saved, the model keeps it.
+    frequencies, and `max_position_embeddings` multiplied by `factor`. Saved, the model keeps it; a
+    model already extended by `factor` (a saved one, or its original) is returned as it is.
 
     Raises UserInputError for a factor that is not a number above 1, a model without rotary position
-    embeddings (GPT-2 looks positions up in a learned table), or one whose rotary embedding is already
-    scaled (its `rope_type` is not "default").
+    embeddings (GPT-2 looks positions up in a learned table), or one whose rotary embedding is scaled
+    otherwise (another `rope_type`, or YaRN by another factor).
     """
     check_factor(factor)
     config = model.config
@@ -56,10 +57,12 @@ def extend_context(model, factor: float):
             f"extend_context: {type(model).__name__} has no rotary position embedding to rescale (a learned "
             "position table, as GPT-2's, has no rows past its limit); expected a model with rope_parameters"
         )
+    if rope["rope_type"] == "yarn" and rope.get("factor") == factor:
+        return model
     if rope["rope_type"] != "default":
         raise UserInputError(
-            f"extend_context: the model's rotary embedding is already scaled (rope_type={rope['rope_type']!r}); "
-            "expected rope_type 'default'"
+            f"extend_context: the model's rotary embedding is already scaled (rope_type={rope['rope_type']!r}, "
+            f"factor={rope.get('factor')!r}); expected rope_type 'default', or 'yarn' by factor {factor!r}"
         )
     original = config.max_position_embeddings
     config.rope_parameters = {

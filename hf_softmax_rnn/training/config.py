@@ -18,6 +18,7 @@ from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.commands.arguments import option
 from hf_softmax_rnn.data.corpus import source_names
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.long_context.extend import check_factor
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
@@ -181,6 +182,14 @@ class FinetuneConfig:
         **_RECIPE,
     )
     retrieval_kept: int = option(2048, "kept positions of each retrieval layer", group=_MODEL)
+    extend_context: float | None = option(
+        None,
+        "read FACTOR times the model's max_position_embeddings: its rotary embeddings (the teacher's too) rescaled "
+        "by YaRN before conversion, so that the hybrid trains under the scaling "
+        "(hf_softmax_rnn.long_context.extend_context)",
+        metavar="FACTOR",
+        group=_MODEL,
+    )
     attention_mode: str = option(
         "chunked",
         "how finite-state layers compute a whole sequence while training and scoring (same result; chunked needs "
@@ -330,6 +339,8 @@ class FinetuneConfig:
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
         _check_choice("finetune_loss", self.finetune_loss, FINETUNE_LOSSES)
         _check_choice("attention_mode", self.attention_mode, NO_CACHE_MODES)
+        if self.extend_context is not None:
+            check_factor(self.extend_context)
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         for name in (

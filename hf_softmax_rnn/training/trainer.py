@@ -35,6 +35,7 @@ from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import student_outputs
+from hf_softmax_rnn.long_context.extend import extend_context
 from hf_softmax_rnn.long_context.retrieval import (
     DEFAULT_LENGTH,
     check_retrieval_count,
@@ -173,6 +174,8 @@ class Finetuner:
             if name != GENERATED_CORPUS
         }
         self.base_model, self.tokenizer = resolve_model(config.model)
+        if config.extend_context is not None:
+            extend_context(self.base_model, config.extend_context)
         self._check_block_size(self.base_model)
         if GENERATED_CORPUS in config.dataset_sources:
             corpora[GENERATED_CORPUS] = self._generated_corpus()

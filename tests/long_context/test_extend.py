@@ -59,6 +59,14 @@ def test_an_extended_model_scores_past_its_former_positions_without_being_asked(
     assert result["max_positions"] == 2 * POSITIONS and result["buckets"][0]["tokens"] == 599
 
 
+def test_extending_again_by_the_same_factor_leaves_the_model_as_it_is():
+    model = extend_context(_model("hedgehog_window_64"), 2)
+    rotary, config, logits = model.model.rotary_emb, model.config.to_dict(), _logits(model)
+    assert extend_context(model, 2.0) is model
+    assert model.model.rotary_emb is rotary and model.config.to_dict() == config
+    torch.testing.assert_close(_logits(model), logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("build", "factor", "message"),
     [
@@ -69,9 +77,9 @@ def test_an_extended_model_scores_past_its_former_positions_without_being_asked(
         (tiny_llama, True, "factor=True is not allowed"),
         (tiny_llama, "2", "factor='2' is not allowed"),
         (tiny_gpt2, 2, "GPT2LMHeadModel has no rotary position embedding to rescale"),
-        (lambda: extend_context(tiny_llama(), 2), 2, "already scaled \\(rope_type='yarn'\\)"),
+        (lambda: extend_context(tiny_llama(), 3), 2, "already scaled \\(rope_type='yarn', factor=3.0\\)"),
     ],
-    ids=["one", "below-one", "inf", "nan", "bool", "string", "gpt2", "twice"],
+    ids=["one", "below-one", "inf", "nan", "bool", "string", "gpt2", "other-factor"],
 )
 def test_bad_input_is_refused_and_leaves_the_model_as_it_was(build, factor, message):
     model = build()

@@ -13,7 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
+from hf_softmax_rnn.long_context import extend_context
 from hf_softmax_rnn.training import finetune
 from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
 from hf_softmax_rnn.training.data import eval_blocks
@@ -71,6 +73,30 @@ def test_finetune_end_to_end(tiny_models, tmp_path, family, attention, method):
     assert any((out / "runs").iterdir()), "no TensorBoard events"
     assert json.loads((out / "results.json").read_text())["evaluations"] == json.loads(json.dumps(result.evaluations))
     assert (out / "adapter").is_dir() == (method == "lora")
+
+
+def test_extend_context_trains_the_hybrid_under_the_scaled_positions_of_its_extended_teacher(tiny_models, tmp_path):
+    """--extend-context 2: blocks of 96 tokens fit the 64-position model extended to 128; the original (the
+    teacher, scored as "base") is the extended one, and the saved hybrid keeps the scaling."""
+    out = tmp_path / "out"
+    config = tiny_config(tiny_models["llama"], out, attention="linear_elu", extend_context=2.0, block_size=96)
+    result = finetune(config)
+    base = extend_context(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), 2)
+    expected_base = direct_perplexity(base, tiny_models["llama"], config.heldout_block_size, config.max_eval_blocks)
+    assert result.evaluations["base"]["perplexity"] == pytest.approx(expected_base, rel=1e-5)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.config.max_position_embeddings == 128
+    assert reloaded.config.rope_parameters == {**base.config.rope_parameters}
+    assert reloaded.config.rope_parameters["original_max_position_embeddings"] == 64
+
+
+def test_extend_context_of_a_model_without_rotary_embeddings_is_refused_before_anything_is_written(
+    tiny_models, tmp_path
+):
+    out = tmp_path / "out"
+    with pytest.raises(UserInputError, match="GPT2LMHeadModel has no rotary position embedding"):
+        finetune(tiny_config(tiny_models["gpt2"], out, attention="linear_elu", extend_context=2.0))
+    assert not out.exists()
 
 
 def test_lora_adapter_on_its_base_equals_the_merged_model(tiny_models, tmp_path):
