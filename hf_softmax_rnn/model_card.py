@@ -77,6 +77,8 @@ def softmax_rnn_model_card(
     global_batch: int | None = None,
     num_processes: int = 1,
     has_adapter: bool = False,
+    rope_parameters: Mapping | None = None,
+    max_positions: int | None = None,
 ) -> ModelCard:
     """Render the card of a converted model.
 
@@ -95,6 +97,8 @@ def softmax_rnn_model_card(
         dataset_on_hub: `dataset` is a Hub id, which goes to the metadata.
         dataset_text: how the card names the data.
         has_adapter: the repo also holds `adapter/` (LoRA) and `adapter_base/`.
+        rope_parameters: the model's rotary settings; YaRN scaling (`extend_context`) is stated in the card.
+        max_positions: the model's `max_position_embeddings`.
     """
     evaluations = dict(evaluations or {})
     groups = attention_groups(layer_specs, head_dim)
@@ -138,6 +142,8 @@ def softmax_rnn_model_card(
         num_processes=num_processes,
         evaluations=rows,
         evaluation_text=evaluation_text,
+        yarn=rope_parameters if (rope_parameters or {}).get("rope_type") == "yarn" else None,
+        max_positions=max_positions,
         repo_id=repo_id,
         has_adapter=has_adapter,
         citation=CITATION,

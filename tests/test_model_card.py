@@ -4,6 +4,7 @@ loading, and its metadata parses back with huggingface_hub."""
 import json
 import re
 
+import pytest
 from huggingface_hub import ModelCard
 
 from hf_softmax_rnn import AttentionSpec
@@ -90,3 +91,19 @@ def test_local_base_model_and_data_stay_out_of_the_metadata():
     )
     assert data.data.base_model is None and data.data.datasets is None
     assert "`/models/mine`" in data.text and "adapter_base" not in data.text
+
+
+@pytest.mark.parametrize(
+    ("rope", "stated"),
+    [
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "rope_theta": 1e5}, True),
+        ({"rope_type": "default", "rope_theta": 1e5}, False),
+        (None, False),
+    ],
+    ids=["yarn", "default", "none"],
+)
+def test_the_card_states_yarn_scaling_of_the_positions(rope, stated):
+    text = _card(rope_parameters=rope, max_positions=16384 if stated else 8192).text
+    line = "scaled by YaRN by a factor of 2.0, from the original's\n8,192 to 16,384 positions"
+    assert (line in text) == stated
+    assert ("YaRN" in text) == stated

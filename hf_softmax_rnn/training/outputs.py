@@ -174,6 +174,8 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         global_batch=run.global_batch,
         num_processes=run.num_processes,
         has_adapter=has_adapter,
+        rope_parameters=getattr(model.config, "rope_parameters", None),
+        max_positions=getattr(model.config, "max_position_embeddings", None),
     )
 
 
