@@ -86,8 +86,10 @@ def test_extend_context_trains_the_hybrid_under_the_scaled_positions_of_its_exte
     assert result.evaluations["base"]["perplexity"] == pytest.approx(expected_base, rel=1e-5)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.config.max_position_embeddings == 128
-    assert reloaded.config.rope_parameters == {**base.config.rope_parameters}
+    assert reloaded.config.rope_parameters == base.config.rope_parameters
     assert reloaded.config.rope_parameters["original_max_position_embeddings"] == 64
+    card = (out / "README.md").read_text()
+    assert "scaled by YaRN by a factor of 2.0, from the original's\n64 to 128 positions" in card
 
 
 def test_extend_context_of_a_model_without_rotary_embeddings_is_refused_before_anything_is_written(
