@@ -85,7 +85,7 @@ def token_stream(tokenizer, texts: Sequence[str], *, add_eos: bool = True) -> li
     return [token for ids in encoded for token in [*ids, *suffix]]
 
 
-def _max_positions(model) -> int | None:
+def max_positions(model) -> int | None:
     """The model's `config.max_position_embeddings`, or None when it names none."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -95,7 +95,7 @@ def check_within_positions(model, length: int, what: str, *, past_max_positions:
     `past_max_positions=True` scores them anyway (logged) where positions are computed (rotary), not
     looked up in a learned table that has no rows past the limit; False refuses and names that opt-in;
     None (a caller without it) refuses."""
-    limit = _max_positions(model)
+    limit = max_positions(model)
     if limit is None or length <= limit:
         return
     config = model.config
@@ -116,7 +116,7 @@ def check_within_positions(model, length: int, what: str, *, past_max_positions:
 
 
 def _default_max_length(model) -> int:
-    limit = _max_positions(model)
+    limit = max_positions(model)
     return min(limit, DEFAULT_MAX_LENGTH) if limit else DEFAULT_MAX_LENGTH
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.evaluation import check_texts, check_within_positions, next_token_nll
+from hf_softmax_rnn.evaluation import check_texts, check_within_positions, max_positions, next_token_nll
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def position_perplexity(
         "buckets": bucket_statistics(nll, buckets),
         "sequences": len(sequences),
         "sequence_length": length,
-        "max_positions": getattr(model.config, "max_position_embeddings", None),
+        "max_positions": max_positions(model),
         "tokens": sequences.numel(),
         "seconds": round(time.perf_counter() - start, 1),
     }
