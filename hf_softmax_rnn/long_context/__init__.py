@@ -1,9 +1,11 @@
-"""Long-context evaluation: perplexity per position bucket and passkey retrieval, on texts of
-another kind than the training corpus (`data/eval_texts.py`), for a model beside the original; the
-retrieval heads of an unconverted model, which decide where a hybrid keeps more exact keys; and YaRN
-scaling of a rotary model's positions, to read past the context it was trained for."""
+"""Long-context evaluation: perplexity per position bucket, agreement with the original's next-token
+distributions by position, and passkey retrieval, on texts of another kind than the training corpus
+(`data/eval_texts.py`), for a model beside the original; the retrieval heads of an unconverted model,
+which decide where a hybrid keeps more exact keys; and YaRN scaling of a rotary model's positions, to
+read past the context it was trained for."""
 
 from hf_softmax_rnn.long_context.extend import extend_context
+from hf_softmax_rnn.long_context.fidelity import position_fidelity
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, passkey_retrieval
 from hf_softmax_rnn.long_context.positions import DEFAULT_BUCKETS, position_perplexity
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
@@ -18,6 +20,7 @@ __all__ = [
     "extend_context",
     "passkey_retrieval",
     "plot_long_context",
+    "position_fidelity",
     "position_perplexity",
     "retrieval_layer_attention",
     "retrieval_layers",

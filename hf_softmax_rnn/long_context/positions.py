@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.evaluation import check_texts, check_within_positions, max_positions, next_token_nll
+from hf_softmax_rnn.evaluation import check_texts, check_within_positions, max_positions
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 
 logger = logging.getLogger(__name__)
@@ -122,27 +122,60 @@ def no_cache_mode(model, mode: str | None) -> Iterator[None]:
             layer.attention_mode = previous
 
 
-@torch.inference_mode()
-def token_nll(model, input_ids: torch.Tensor, *, slice_size: int = DEFAULT_SLICE) -> torch.Tensor:
-    """NLL (nats, float64) of tokens 1..L-1 of `input_ids` `[B, L]` given those before -> `[B, L - 1]`.
+@contextmanager
+def scoring(model, mode: str | None) -> Iterator[None]:
+    """`model` in eval mode with its finite-state layers in `mode` (`no_cache_mode`), both restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with no_cache_mode(model, mode):
+            yield
+    finally:
+        model.train(was_training)
 
-    The decoder (`model.base_model`) runs once; its hidden states go through the output layer
-    `slice_size` positions at a time. A model without a separate decoder is scored from `.logits`.
+
+def logit_slices(model, input_ids: torch.Tensor, slice_size: int = DEFAULT_SLICE) -> Iterator[tuple[int, torch.Tensor]]:
+    """Next-token logits of `input_ids` `[B, L]` at positions 0..L-2, `slice_size` positions at a time:
+    yields `(start, logits [B, end - start, V])` in order (call under `torch.inference_mode`).
+
+    The decoder (`model.base_model`) runs once, without a cache; its hidden states go through the
+    output layer a slice at a time. A model without a separate decoder is sliced from `.logits`.
     """
     head = model.get_output_embeddings()
     decoder = model.base_model
     if head is None or decoder is model:
-        return next_token_nll(model(input_ids=input_ids, use_cache=False).logits, input_ids)
-    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden, head = model(input_ids=input_ids, use_cache=False).logits, None
+    else:
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
     length = input_ids.shape[1]
-    parts = []
     for start in range(0, length - 1, slice_size):
-        end = min(start + slice_size, length - 1)
-        logits = head(hidden[:, start:end])
-        targets = input_ids[:, start + 1 : end + 1]
+        part = hidden[:, start : min(start + slice_size, length - 1)]
+        yield start, part if head is None else head(part)
+
+
+@torch.inference_mode()
+def token_nll(model, input_ids: torch.Tensor, *, slice_size: int = DEFAULT_SLICE) -> torch.Tensor:
+    """NLL (nats, float64) of tokens 1..L-1 of `input_ids` `[B, L]` given those before -> `[B, L - 1]`
+    (the logits a slice at a time: `logit_slices`)."""
+    parts = []
+    for start, logits in logit_slices(model, input_ids, slice_size):
+        targets = input_ids[:, start + 1 : start + 1 + logits.shape[1]].to(logits.device)
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), reduction="none")
         parts.append(nll.view_as(targets))
     return torch.cat(parts, dim=1)
+
+
+def bucket_values(values: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+    """The per-token values `[N, L - 1]` (column t - 1 = the token at position t) of the positions
+    in `bucket` = `[start, end)`, flattened (position 0 has none)."""
+    start, end = bucket
+    return values[:, max(start, 1) - 1 : end - 1].flatten().double()
+
+
+def mean_and_stderr(values: torch.Tensor) -> tuple[float, float]:
+    """Mean of `values` and its standard error, the values taken as independent (NaN for one value)."""
+    count = values.numel()
+    return values.mean().item(), (values.std().item() / math.sqrt(count)) if count > 1 else math.nan
 
 
 def bucket_statistics(nll: torch.Tensor, buckets: Sequence[tuple[int, int]]) -> list[dict]:
@@ -150,15 +183,13 @@ def bucket_statistics(nll: torch.Tensor, buckets: Sequence[tuple[int, int]]) -> 
     per-token NLL `[N, L - 1]` (column t - 1 = the token at position t)."""
     rows = []
     for start, end in buckets:
-        values = nll[:, max(start, 1) - 1 : end - 1].flatten().double()
-        count = values.numel()
-        mean = values.mean().item()
-        stderr = (values.std().item() / math.sqrt(count)) if count > 1 else math.nan
+        values = bucket_values(nll, (start, end))
+        mean, stderr = mean_and_stderr(values)
         rows.append(
             {
                 "start": start,
                 "end": end,
-                "tokens": count,
+                "tokens": values.numel(),
                 "mean_nll": mean,
                 "stderr": stderr,
                 "perplexity": math.exp(mean) if mean < 709 else math.inf,
@@ -203,19 +234,14 @@ def position_perplexity(
     check_within_positions(model, length, "bucket end", past_max_positions=past_max_positions)
     sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     start = time.perf_counter()
-    try:
-        with no_cache_mode(model, attention_mode):
-            nll = torch.cat(
-                [
-                    token_nll(model, row[None].to(device), slice_size=slice_size).cpu()
-                    for row in tqdm(sequences, desc="Position perplexity", unit="seq", disable=not progress)
-                ]
-            )
-    finally:
-        model.train(was_training)
+    with scoring(model, attention_mode):
+        nll = torch.cat(
+            [
+                token_nll(model, row[None].to(device), slice_size=slice_size).cpu()
+                for row in tqdm(sequences, desc="Position perplexity", unit="seq", disable=not progress)
+            ]
+        )
     return {
         "buckets": bucket_statistics(nll, buckets),
         "sequences": len(sequences),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_softmax_rnn.evaluation import check_within_positions
+from hf_softmax_rnn.long_context.fidelity import position_fidelity
 from hf_softmax_rnn.long_context.passkey import (
     DEFAULT_DEPTHS,
     check_passkey_settings,
@@ -97,6 +98,20 @@ class LongContextSettings:
             )
         return {"positions": positions, "passkey": passkey}
 
+    def fidelity(self, model, reference, tokenizer, texts: Sequence[str], *, progress: bool = True) -> dict:
+        """`position_fidelity` of `model` against `reference` on the sequences of the position buckets."""
+        return position_fidelity(
+            model,
+            reference,
+            tokenizer,
+            texts,
+            self.buckets,
+            num_sequences=self.sequences,
+            join=self.join,
+            progress=progress,
+            past_max_positions=self.past_max_positions,
+        )
+
 
 def _bucket_label(bucket: dict) -> str:
     return f"{bucket['start']:,}-{bucket['end']:,}"
@@ -134,6 +149,19 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {positions['tokens']:,} | {positions['seconds']:.0f} s |"
         )
+    fidelities = {name: result["fidelity"] for name, result in results.items() if result.get("fidelity")}
+    if fidelities:
+        lines += [
+            "",
+            f"Agreement with {reference} by position: top-1 agreement (positions where both models' most likely "
+            f"next token is the same) and, in brackets, the mean KL({reference} || model) in nats.",
+            "",
+            "| model | " + " | ".join(header) + " | time |",
+            "|---" * (len(header) + 2) + "|",
+        ]
+        for name, fidelity in fidelities.items():
+            cells = [f"{b['top1_agreement']:.1%} ({b['kl']:.3f})" for b in fidelity["buckets"]]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {fidelity['seconds']:.0f} s |")
     passkeys = {name: result["passkey"] for name, result in results.items() if result.get("passkey")}
     if passkeys:
         lengths = list(next(iter(passkeys.values()))["lengths"])
@@ -156,8 +184,9 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
 
 def plot_long_context(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
     """Perplexity per position bucket of every model and, beside it when there are several, each
-    model's ratio to `reference`; where passkey results exist, a last panel of passkey accuracy
-    against the key's depth, one line per model and prompt length. A model is drawn at the buckets
+    model's ratio to `reference`; where agreement results exist (`position_fidelity`), a panel of each
+    model's top-1 agreement with `reference` per bucket; where passkey results exist, a last panel of
+    passkey accuracy against the key's depth, one line per model and prompt length. A model is drawn at the buckets
     of `reference` it was measured on (a run that stopped at 4,096 tokens beside a reference
     measured to 8,192) and keeps its colour in every panel."""
     import matplotlib
@@ -167,8 +196,9 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
 
     base = results[reference]["positions"]["buckets"]
     compared = len(results) > 1
+    fidelities = {name: result["fidelity"] for name, result in results.items() if result.get("fidelity")}
     passkeys = {name: result["passkey"] for name, result in results.items() if result.get("passkey")}
-    columns = (2 if compared else 1) + bool(passkeys)
+    columns = (2 if compared else 1) + bool(fidelities) + bool(passkeys)
     figure, axes = plt.subplots(1, columns, figsize=(5.5 * columns, 4), squeeze=False)
     curves, ratios = axes[0, 0], axes[0, 1 if compared else 0]
     places = range(len(base))
@@ -188,6 +218,18 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
                 color=colours[name],
             )
     panels = [(curves, "perplexity"), (ratios, f"perplexity / {reference}")] if compared else [(curves, "perplexity")]
+    if fidelities:
+        agreement = axes[0, len(panels)]
+        for name, fidelity in fidelities.items():
+            measured = [b for b in fidelity["buckets"] if (b["start"], b["end"]) in place_of]
+            agreement.plot(
+                [place_of[b["start"], b["end"]] for b in measured],
+                [100 * b["top1_agreement"] for b in measured],
+                marker="o",
+                label=name,
+                color=colours[name],
+            )
+        panels.append((agreement, f"top-1 agreement with {reference} (%)"))
     for axis, ylabel in panels:
         axis.set_xticks(places, [_bucket_label(b) for b in base], rotation=30, ha="right", fontsize=8)
         axis.set_xlabel("position bucket (tokens of context)")

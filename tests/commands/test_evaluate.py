@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.commands.evaluate import original_of
 from hf_softmax_rnn.long_context import extend_context, passkey_retrieval, position_perplexity
+from hf_softmax_rnn.long_context.fidelity import position_fidelity
 
-from ..long_context.helpers import TEXTS, tiny_converted, tiny_llama, tokenizer
+from ..long_context.helpers import LLAMA_KWARGS, TEXTS, tiny_converted, tiny_llama, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,25 @@ def test_extend_context_rescales_both_models_before_they_are_scored(saved, tmp_p
         )
 
 
+def test_fidelity_compares_the_model_with_its_original_as_the_library_does(saved, tmp_path, capsys):
+    """--fidelity: top-1 agreement and KL of the model against its original per bucket, in the table, the
+    JSON and the plot, equal to `position_fidelity` on the two saved models."""
+    argv = ["evaluate", "--model", saved["converted"], "--texts", saved["texts"], "--positions", "0", "16", "128"]
+    argv += ["--sequences", "2", "--passkey", "0", "--fidelity", "--no-progress", "--output", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    model, original = (AutoModelForCausalLM.from_pretrained(saved[name]).eval() for name in ("converted", "original"))
+    texts = [open(f"{saved['texts']}/{i:02}.txt").read().strip() for i in range(2)]
+    expected = position_fidelity(model, original, tokenizer(), texts, ((0, 16), (16, 128)), num_sequences=2)
+    got = record["model"]["fidelity"]["buckets"]
+    assert [b["kl"] for b in got] == pytest.approx([b["kl"] for b in expected["buckets"]], rel=1e-4)
+    assert [b["top1_agreement"] for b in got] == [b["top1_agreement"] for b in expected["buckets"]]
+    assert "fidelity" not in record["original"]
+    cells = " | ".join(f"{b['top1_agreement']:.1%} ({b['kl']:.3f})" for b in got)
+    assert f"| model | {cells} |" in out
+
+
 def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
     assert original_of(saved["converted"]) == f"{saved['converted']}/../original"
     assert original_of(str(tmp_path)) == "default"
@@ -115,6 +135,7 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         (["--texts", "short"], "evaluation text 0 has 30 tokens, fewer than the 64 positions"),
         (["--extend-context", "1"], "extend_context: factor=1.0 is not allowed; expected a finite number above 1"),
         (["--extend-context", "2", "--positions", "0", "64", "1100"], "bucket end=1100 is more than the model's 1024"),
+        (["--fidelity"], "--fidelity compares the model with its original, but --original is 'none'"),
     ],
     ids=[
         "bucket-beyond-positions",
@@ -125,12 +146,34 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         "too-short",
         "extend-factor",
         "beyond-extended-positions",
+        "fidelity-without-original",
     ],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):
     argv = ["evaluate", "--model", saved["original"], "--texts", saved["texts"], "--positions", "0", "16", "64"]
     flags = [saved.get(flag, flag) for flag in flags]
     argv += ["--original", "none", "--passkey", "300", "--output", str(tmp_path / "out"), *flags]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [("vocabulary", "the model scores 257 tokens and the reference 300"), ("tokenizer", "the tokenizers of")],
+    ids=["other-vocabulary", "other-tokenizer"],
+)
+def test_fidelity_refuses_an_original_of_another_vocabulary(saved, tmp_path, capsys, change, message):
+    tok = tokenizer()
+    if change == "vocabulary":
+        other = type(tiny_llama())(type(tiny_llama().config)(**{**LLAMA_KWARGS, "vocab_size": 300}))
+    else:
+        other = tiny_llama()
+        tok.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    argv = ["evaluate", "--model", saved["converted"], "--original", str(tmp_path / "other"), "--texts", saved["texts"]]
+    argv += ["--positions", "0", "16", "--passkey", "0", "--fidelity", "--output", str(tmp_path / "out")]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()

@@ -133,3 +133,37 @@ def test_no_passkey_panel_without_passkey_results(tmp_path, monkeypatch):
         {"original": _result([10.0, 8.0]), "trained": _result([15.0, 12.0])}, "original", tmp_path / "p.png"
     )
     assert len(figures[0].axes) == 2
+
+
+def _with_fidelity(result, agreements, kls=(0.5, 0.25), seconds=4.0):
+    buckets = [
+        {"start": b["start"], "end": b["end"], "tokens": b["tokens"], "kl": kl, "kl_stderr": 0.01, "top1_agreement": a}
+        for b, a, kl in zip(result["positions"]["buckets"], agreements, kls)
+    ]
+    return {**result, "fidelity": {"buckets": buckets, "tokens": 512, "seconds": seconds}}
+
+
+def test_agreement_table_gives_each_compared_model_by_bucket():
+    results = {"original": _result([10.0, 8.0]), "trained": _with_fidelity(_result([15.0, 12.0]), [0.875, 0.5])}
+    text = comparison_tables(results, "original")
+    assert "Agreement with original by position" in text
+    assert "| trained | 87.5% (0.500) | 50.0% (0.250) | 4 s |" in text
+    assert "Agreement" not in comparison_tables({"original": _result([10.0, 8.0])}, "original")
+
+
+def test_agreement_panel_draws_each_model_in_its_colour(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = {
+        "original": _result([10.0, 8.0], 1.0),
+        "trained": _with_fidelity(_result([15.0, 12.0], 0.25), [0.875, 0.5]),
+    }
+    plot_long_context(results, "original", tmp_path / "plot.png")
+    curves, _, agreement, _ = figures[0].axes
+    colours = {line.get_label(): line.get_color() for line in curves.get_lines()}
+    (drawn,) = agreement.get_lines()
+    assert (drawn.get_label(), list(drawn.get_xdata()), list(drawn.get_ydata())) == ("trained", [0, 1], [87.5, 50.0])
+    assert drawn.get_color() == colours["trained"]
+    assert agreement.get_ylabel() == "top-1 agreement with original (%)"
