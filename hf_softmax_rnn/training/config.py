@@ -49,6 +49,7 @@ RESUMABLE_CHANGES = frozenset(
         "long_eval_sequences",
         "long_eval_passkey",
         "long_eval_trials",
+        "long_eval_fidelity",
         "gradient_checkpointing",
     }
 )
@@ -320,6 +321,13 @@ class FinetuneConfig:
     long_eval_passkey: list[int] = option([1024, 2048], "passkey prompt lengths in tokens (0: none)", group=_LONG)
     long_eval_trials: int = option(
         4, "passkey prompts per length and depth (depths 0.1-0.9): 4 gives 20 per length, 5 points each", group=_LONG
+    )
+    long_eval_fidelity: bool = option(
+        True,
+        "no top-1 agreement and KL with the unconverted model by position bucket (measured by default; it keeps the "
+        "unconverted model in memory until the end, as distillation does anyway)",
+        flag="--no-long-eval-fidelity",
+        group=_LONG,
     )
     push_to_hub: str | None = option(None, "upload the outputs to this Hub repo", metavar="REPO", group=_OUTPUT)
     hub_private: bool = option(False, "create the Hub repo as private", group=_OUTPUT)

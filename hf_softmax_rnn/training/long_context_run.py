@@ -1,8 +1,9 @@
 """`finetune --long-eval`: the long-context evaluation of a run, beside the unconverted model.
 
 Everything is checked when the run is set up (texts, positions, passkey lengths); the unconverted
-model is measured before the run frees it, the trained model after it is saved (LoRA merged), and
-the results go into results.json ("long_context") and long_context.png.
+model is measured before training, the trained model after it is saved (LoRA merged), then (unless
+--no-long-eval-fidelity) the trained model's agreement with the unconverted one, which is kept until
+then; the results go into results.json ("long_context") and long_context.png.
 """
 
 from __future__ import annotations
@@ -31,11 +32,22 @@ class LongContextRun:
         self.tokenizer = tokenizer
         self.settings.check(model, tokenizer, self.texts)
         self.results: dict[str, dict] = {}
+        self.original = None  # the unconverted model, kept from its measurement to the trained model's
 
     def measure(self, label: str, model, *, progress: bool) -> None:
+        """Evaluate `model` as `label` (ORIGINAL first, which is kept for the agreement; then TRAINED, which is
+        also compared with it)."""
         logger.info("Long-context evaluation of the %s model on %s", label, self.config.long_eval_texts)
         with student_outputs(model):
             self.results[label] = self.settings.evaluate(model, self.tokenizer, self.texts, progress=progress)
+            if label == TRAINED and self.original is not None:
+                logger.info("Agreement of the %s model with the %s one", TRAINED, ORIGINAL)
+                self.results[label]["fidelity"] = self.settings.fidelity(
+                    model, self.original, self.tokenizer, self.texts, progress=progress
+                )
+                self.original = None
+        if label == ORIGINAL and self.config.long_eval_fidelity:
+            self.original = model
 
     def save(self, output_dir: Path, results_file: str) -> dict:
         """Add the results to `results_file` in `output_dir` and plot them; returns what was added."""

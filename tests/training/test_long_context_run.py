@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_softmax_rnn.commands.finetune import summary
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.long_context import position_perplexity
+from hf_softmax_rnn.long_context import position_fidelity, position_perplexity
 from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training.long_context_run import LongContextRun
 from hf_softmax_rnn.training.trainer import Finetuner
 
 from .helpers import tiny_config
@@ -53,9 +54,32 @@ def test_long_eval_measures_both_models_into_results_and_report(tiny_models, tmp
             assert got["tokens"] == want["tokens"] == 3 * (want["end"] - max(want["start"], 1))
             assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
         assert record[label]["passkey"] is None
+    original, trained = (AutoModelForCausalLM.from_pretrained(f).eval() for f in (tiny_models["llama"], out))
+    expected = position_fidelity(trained, original, tokenizer, texts, buckets, num_sequences=3, progress=False)
+    got = record["trained"]["fidelity"]["buckets"]
+    assert [b["kl"] for b in got] == pytest.approx([b["kl"] for b in expected["buckets"]], rel=1e-4, abs=1e-9)
+    assert [b["top1_agreement"] for b in got] == [b["top1_agreement"] for b in expected["buckets"]]
+    assert "fidelity" not in record["unconverted"]
     assert (out / "long_context.png").stat().st_size > 10_000
     report = summary(result)
     assert "Long-context evaluation on " + books in report and "| trained | " in report
+    assert "Agreement with unconverted by position" in report
+
+
+def test_no_long_eval_fidelity_measures_no_agreement_and_keeps_no_original(tiny_models, tmp_path, books, monkeypatch):
+    kept = []
+    measure = LongContextRun.measure
+
+    def recording(self, label, model, *, progress):
+        measure(self, label, model, progress=progress)
+        kept.append(self.original)
+
+    monkeypatch.setattr(LongContextRun, "measure", recording)
+    settings = {"long_eval_texts": books, "long_eval_positions": EDGES, "long_eval_passkey": [0]}
+    result = finetune(
+        tiny_config(tiny_models["llama"], tmp_path / "out", long_eval=True, **settings, long_eval_fidelity=False)
+    )
+    assert "fidelity" not in result.long_context["trained"] and kept == [None, None]
 
 
 @pytest.mark.parametrize(
