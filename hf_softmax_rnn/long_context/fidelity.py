@@ -25,6 +25,7 @@ from hf_softmax_rnn.long_context.positions import (
     bucket_values,
     check_buckets,
     check_count,
+    check_scoring_mode,
     eval_sequences,
     logit_slices,
     mean_and_stderr,
@@ -88,6 +89,7 @@ def position_fidelity(
     """
     buckets = check_buckets(buckets)
     check_count("slice_size", slice_size)
+    check_scoring_mode(attention_mode)
     length = buckets[-1][1]
     for scored in (model, reference):
         check_within_positions(scored, length, "bucket end", past_max_positions=past_max_positions)

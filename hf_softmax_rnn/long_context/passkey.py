@@ -36,6 +36,24 @@ NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
+def check_passkey_arguments(
+    lengths: Sequence[int], depths: Sequence[float], trials: int, max_new_tokens: int, seed: int
+) -> None:
+    """Refuse what no model can take: lengths that are not ints >= 1, depths outside [0, 1], a count below 1,
+    a seed that is not an int >= 0 (`random.Random` would read -1 as 1)."""
+    check_count("trials", trials)
+    check_count("max_new_tokens", max_new_tokens)
+    check_count("seed", seed, minimum=0)
+    for name, values in (("lengths", lengths), ("depths", depths)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{name}={values!r} is not allowed; expected a list")
+    for length in lengths:
+        check_count("passkey length", length)
+    for depth in depths:
+        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+            raise UserInputError(f"passkey depth={depth!r} is not allowed; expected a number in [0, 1]")
+
+
 def check_passkey_settings(
     model,
     lengths: Sequence[int],
@@ -43,25 +61,26 @@ def check_passkey_settings(
     trials: int,
     max_new_tokens: int,
     past_max_positions: bool | None = None,
+    seed: int = 0,
 ) -> None:
-    """Refuse lengths beyond the model's positions (unless `past_max_positions`) or too short for the
-    prompt, depths outside [0, 1]."""
-    check_count("trials", trials)
-    check_count("max_new_tokens", max_new_tokens)
+    """`check_passkey_arguments`, then refuse empty lengths or depths and lengths beyond the model's
+    positions (unless `past_max_positions`)."""
+    check_passkey_arguments(lengths, depths, trials, max_new_tokens, seed)
     if not lengths or not depths:
         raise UserInputError(f"lengths={tuple(lengths)} and depths={tuple(depths)} must both be non-empty")
     for length in lengths:
-        check_count("passkey length", length)
         check_within_positions(model, length, "passkey length", past_max_positions=past_max_positions)
-    for depth in depths:
-        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
-            raise UserInputError(f"passkey depth={depth!r} is not allowed; expected a number in [0, 1]")
+
+
+def prompt_frame(tokenizer, key: int) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the instruction, the key sentence with `key` and the question of a prompt."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return encode(INSTRUCTION), encode(NEEDLE.format(key=key)), encode(QUESTION)
 
 
 def passkey_prompt(tokenizer, filler: Sequence[int], prompt_tokens: int, depth: float, key: int) -> list[int]:
     """Token ids of one prompt of exactly `prompt_tokens` tokens: the key at `depth` of the filler."""
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head, needle, question = encode(INSTRUCTION), encode(NEEDLE.format(key=key)), encode(QUESTION)
+    head, needle, question = prompt_frame(tokenizer, key)
     room = prompt_tokens - len(head) - len(needle) - len(question)
     if room < 1:
         raise UserInputError(
@@ -92,6 +111,13 @@ def filler_tokens(tokenizer, texts: Sequence[str], needed: int) -> list[int]:
 def passkey_filler(tokenizer, texts: Sequence[str], lengths: Sequence[int], max_new_tokens: int) -> list[int]:
     """The filler token stream (the first `2 * max(lengths)` tokens of `texts`), checked to fill a
     prompt of every length, before any prompt is answered."""
+    frame = sum(map(len, prompt_frame(tokenizer, 10000)))
+    for length in lengths:
+        if length - max_new_tokens - frame < 1:
+            raise UserInputError(
+                f"passkey length={length} is too short: the instruction, key sentence and question take {frame} tokens "
+                f"and the answer {max_new_tokens}; expected a length of at least {frame + max_new_tokens + 1}"
+            )
     stream = filler_tokens(tokenizer, texts, 2 * max(lengths))
     if len(stream) < max(lengths):
         raise UserInputError(
@@ -129,7 +155,7 @@ def passkey_retrieval(
     "seconds", "depths": {depth: accuracy}}}, "answers": [{"length", "depth", "key", "answer",
     "correct"}]}; the keys of "lengths" and "depths" are strings (JSON).
     """
-    check_passkey_settings(model, lengths, depths, trials, max_new_tokens, past_max_positions)
+    check_passkey_settings(model, lengths, depths, trials, max_new_tokens, past_max_positions, seed)
     stream = passkey_filler(tokenizer, filler, lengths, max_new_tokens)
     rng = random.Random(seed)
     device = next(model.parameters()).device

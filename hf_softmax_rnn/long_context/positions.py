@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
+from hf_softmax_rnn.attention_spec import NO_CACHE_MODES
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import check_texts, check_within_positions, max_positions
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
@@ -47,6 +48,11 @@ def check_buckets(buckets: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ..
         start, end = bucket
         if not 0 <= start < end:
             raise UserInputError(f"bucket {tuple(bucket)} is not allowed; expected 0 <= start < end")
+        if end < 2:
+            raise UserInputError(
+                f"bucket {tuple(bucket)} holds no scored position (position 0 has no context and is never scored); "
+                "expected an end >= 2"
+            )
         if pairs and start < pairs[-1][1]:
             raise UserInputError(
                 f"bucket {tuple(bucket)} starts before the previous bucket {pairs[-1]} ends; expected sorted, "
@@ -67,9 +73,24 @@ def buckets_from_edges(edges: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return check_buckets(list(zip(edges, edges[1:])))
 
 
-def check_count(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise UserInputError(f"{name}={value!r} is not allowed; expected an int >= 1")
+def check_count(name: str, value: int | None, minimum: int = 1) -> None:
+    """Refuse a `value` (None passes) that is not an int >= `minimum`."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise UserInputError(f"{name}={value!r} is not allowed; expected an int >= {minimum}")
+
+
+def check_flag(name: str, value: bool) -> None:
+    """Refuse a `value` that is not a bool (a string such as "no" would read as true)."""
+    if not isinstance(value, bool):
+        raise UserInputError(f"{name}={value!r} is not allowed; expected True or False")
+
+
+def check_scoring_mode(mode: str | None) -> None:
+    """Refuse a no-cache mode of the finite-state layers other than None (as configured) or NO_CACHE_MODES."""
+    if mode is not None and mode not in NO_CACHE_MODES:
+        raise UserInputError(
+            f"attention_mode={mode!r} is not allowed; expected None (as configured) or one of {NO_CACHE_MODES}"
+        )
 
 
 def eval_sequences(
@@ -79,6 +100,7 @@ def eval_sequences(
     documents are tokenised only until `num_sequences` sequences are filled (None: all of them)."""
     check_texts(texts)
     check_count("num_sequences", num_sequences)
+    check_flag("join", join)
     eos = [tokenizer.eos_token_id] if join and tokenizer.eos_token_id is not None else []
     sequences, stream, seen = [], [], 0
     for index, text in enumerate(texts):
@@ -230,6 +252,7 @@ def position_perplexity(
     """
     buckets = check_buckets(buckets)
     check_count("slice_size", slice_size)
+    check_scoring_mode(attention_mode)
     length = buckets[-1][1]
     check_within_positions(model, length, "bucket end", past_max_positions=past_max_positions)
     sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)

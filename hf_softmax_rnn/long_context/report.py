@@ -17,6 +17,7 @@ from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.fidelity import position_fidelity
 from hf_softmax_rnn.long_context.passkey import (
     DEFAULT_DEPTHS,
+    check_passkey_arguments,
     check_passkey_settings,
     passkey_filler,
     passkey_retrieval,
@@ -24,6 +25,7 @@ from hf_softmax_rnn.long_context.passkey import (
 from hf_softmax_rnn.long_context.positions import (
     check_buckets,
     check_count,
+    check_flag,
     eval_sequences,
     position_perplexity,
 )
@@ -55,7 +57,9 @@ class LongContextSettings:
     def __post_init__(self) -> None:
         self.buckets = check_buckets(self.buckets)
         check_count("sequences", self.sequences)
-        check_count("trials", self.trials)
+        check_flag("join", self.join)
+        check_flag("past_max_positions", self.past_max_positions)
+        check_passkey_arguments(self.passkey_lengths, self.depths, self.trials, self.max_new_tokens, self.seed)
         self.passkey_lengths = tuple(self.passkey_lengths)
         self.depths = tuple(self.depths)
 
@@ -66,7 +70,13 @@ class LongContextSettings:
         eval_sequences(tokenizer, texts, length, num_sequences=self.sequences, join=self.join)
         if self.passkey_lengths:
             check_passkey_settings(
-                model, self.passkey_lengths, self.depths, self.trials, self.max_new_tokens, self.past_max_positions
+                model,
+                self.passkey_lengths,
+                self.depths,
+                self.trials,
+                self.max_new_tokens,
+                self.past_max_positions,
+                self.seed,
             )
             passkey_filler(tokenizer, texts, self.passkey_lengths, self.max_new_tokens)
 

@@ -17,7 +17,8 @@ from ..long_context.helpers import LLAMA_KWARGS, TEXTS, tiny_converted, tiny_lla
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """{"original": folder, "converted": folder (with a finetune-style results.json naming the original),
-    "texts": folder of .txt documents, "short": a folder of one short .txt}."""
+    "texts": folder of .txt documents, "short": a folder of one short .txt, "blank" and "binary": .txt files
+    with nothing to read}."""
     root = tmp_path_factory.mktemp("evaluate")
     tok = tokenizer()
     for name, model in (("original", tiny_llama()), ("converted", tiny_converted("hedgehog_window_64"))):
@@ -29,7 +30,11 @@ def saved(tmp_path_factory):
         (root / "texts" / f"{index:02}.txt").write_text(text * 3)
     (root / "short").mkdir()
     (root / "short" / "note.txt").write_text("Too short to fill the buckets.")
-    return {name: str(root / name) for name in ("original", "converted", "texts", "short")}
+    (root / "blank.txt").write_text("  \n\n")
+    (root / "binary.txt").write_bytes(bytes(range(128, 256)) * 4)
+    return {name: str(root / name) for name in ("original", "converted", "texts", "short")} | {
+        name: str(root / f"{name}.txt") for name in ("blank", "binary")
+    }
 
 
 def test_tables_of_a_model_beside_its_original(saved, tmp_path, capsys):
@@ -136,6 +141,15 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         (["--extend-context", "1"], "extend_context: factor=1.0 is not allowed; expected a finite number above 1"),
         (["--extend-context", "2", "--positions", "0", "64", "1100"], "bucket end=1100 is more than the model's 1024"),
         (["--fidelity"], "--fidelity compares the model with its original, but --original is 'none'"),
+        (["--positions", "0", "1", "16"], "bucket (0, 1) holds no scored position"),
+        (["--passkey", "0", "128"], "--passkey 0 128 mixes 0 (no passkey test) with lengths"),
+        (["--passkey", "0", "--depths", "0.5"], "--depths sets the passkey test, which --passkey 0 turns off"),
+        (["--passkey", "0", "--trials", "5"], "--trials sets the passkey test, which --passkey 0 turns off"),
+        (["--passkey", "0", "--seed", "3"], "--seed sets the passkey test, which --passkey 0 turns off"),
+        (["--seed", "-1"], "seed=-1 is not allowed; expected an int >= 0"),
+        (["--passkey", "3"], "passkey length=3 is too short"),
+        (["--texts", "blank"], "hold no text"),
+        (["--texts", "binary"], "is not UTF-8 text"),
     ],
     ids=[
         "bucket-beyond-positions",
@@ -147,6 +161,15 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         "extend-factor",
         "beyond-extended-positions",
         "fidelity-without-original",
+        "bucket-of-position-0-alone",
+        "passkey-0-with-lengths",
+        "passkey-0-with-depths",
+        "passkey-0-with-trials",
+        "passkey-0-with-seed",
+        "negative-seed",
+        "passkey-too-short",
+        "blank-texts",
+        "binary-texts",
     ],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):

