@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,30 @@ class Window:
     score_from: int
 
 
+def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
+    """Refuse anything but an int (not a bool) >= `minimum`; None too when `optional`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise TypeError(f"{name}={value!r} is not allowed; expected {allowed}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} is not allowed; expected an int >= {minimum}")
+
+
+def check_window(*, max_length: int | None = None, stride: int | None = None, batch_size: int = 1) -> None:
+    """Refuse window settings that are not ints in range (None: the default, known once there is a model),
+    before anything is loaded or scored."""
+    _check_int("max_length", max_length, 2, optional=True)
+    _check_int("stride", stride, 1, optional=True)
+    _check_int("batch_size", batch_size, 1)
+    if max_length is not None and stride is not None and stride > max_length - 1:
+        raise ValueError(
+            f"stride={stride} is not allowed for max_length={max_length}; expected 1 <= stride <= {max_length - 1} "
+            "(a larger stride would leave tokens with no context)"
+        )
+
+
 def sliding_windows(num_tokens: int, max_length: int, stride: int) -> list[Window]:
     """The windows that score every token of a `num_tokens` stream once (token 0 has no context).
 
@@ -45,13 +70,10 @@ def sliding_windows(num_tokens: int, max_length: int, stride: int) -> list[Windo
     """
     if num_tokens < 2:
         raise ValueError(f"num_tokens={num_tokens} is too short to score; expected at least 2 tokens")
-    if max_length < 2:
-        raise ValueError(f"max_length={max_length} is not allowed; expected an int >= 2")
-    if not 1 <= stride <= max_length - 1:
-        raise ValueError(
-            f"stride={stride} is not allowed for max_length={max_length}; expected 1 <= stride <= {max_length - 1} "
-            "(a larger stride would leave tokens with no context)"
-        )
+    for name, value in (("max_length", max_length), ("stride", stride)):
+        if value is None:
+            raise TypeError(f"{name}=None is not allowed; expected an int")
+    check_window(max_length=max_length, stride=stride)
     windows, scored_until = [], 1
     for begin in range(0, num_tokens, stride):
         end = min(begin + max_length, num_tokens)
@@ -149,8 +171,7 @@ def stream_nll(
         max_length: window length (context + 1); None = min(config.max_position_embeddings, 1024).
         stride: start-to-start distance of windows; None = max_length // 2.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} is not allowed; expected an int >= 1")
+    check_window(max_length=max_length, stride=stride, batch_size=batch_size)
     ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
     max_length = _default_max_length(model) if max_length is None else max_length
     check_within_positions(model, max_length, "max_length")

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -109,6 +110,27 @@ def test_sliding_windows_score_every_token_once(num_tokens, max_length, stride):
 def test_bad_arguments_are_rejected(llama, tokenizer, kwargs, match):
     with pytest.raises(ValueError, match=match):
         perplexity(llama, tokenizer, TEXTS, progress=False, **kwargs)
+
+
+WRONGLY_TYPED_WINDOWS = {
+    "float-max-length": (dict(max_length=16.0), r"max_length=16\.0 is not allowed; expected an int >= 2 or None"),
+    "float-stride": (dict(max_length=16, stride=4.5), r"stride=4\.5 is not allowed; expected an int >= 1 or None"),
+    "string-batch-size": (dict(batch_size="2"), r"batch_size='2' is not allowed; expected an int >= 1"),
+    "bool-batch-size": (dict(batch_size=True), r"batch_size=True is not allowed; expected an int >= 1"),
+}
+
+
+@pytest.mark.parametrize("kwargs,match", WRONGLY_TYPED_WINDOWS.values(), ids=WRONGLY_TYPED_WINDOWS.keys())
+def test_window_settings_that_are_not_ints_are_named(llama, tokenizer, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        perplexity(llama, tokenizer, TEXTS, progress=False, **kwargs)
+
+
+def test_numpy_ints_are_window_settings_like_ints(llama, tokenizer):
+    window = dict(max_length=16, stride=5, batch_size=2)
+    expected = perplexity(llama, tokenizer, TEXTS, progress=False, **window)
+    numpy_window = {name: np.int64(value) for name, value in window.items()}
+    assert perplexity(llama, tokenizer, TEXTS, progress=False, **numpy_window) == expected
 
 
 @pytest.mark.parametrize(

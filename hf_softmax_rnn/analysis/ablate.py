@@ -28,6 +28,7 @@ from hf_softmax_rnn.analysis.small_models import (
     batches,
     check_at_least,
     check_positive,
+    check_seeds,
     check_width,
     resolve_device,
     set_threads,
@@ -90,8 +91,7 @@ class AblationBudget:
         check_width(self.d_model, self.num_heads)
         check_positive("--lr", self.lr)
         check_at_least("--weight-decay", self.weight_decay, minimum=0)
-        if not self.seeds:
-            raise UserInputError("--seeds is empty; expected at least one seed")
+        check_seeds("--seeds", self.seeds)
 
 
 #: `--quick`: CI size, a few seconds for all variants.

@@ -26,6 +26,7 @@ from hf_softmax_rnn.analysis.small_models import (
     batches,
     check_at_least,
     check_positive,
+    check_seed,
     check_width,
     resolve_device,
     scored_loss,
@@ -73,6 +74,7 @@ class MQARRun:
         check_at_least("--warmup-steps", self.warmup_steps, minimum=0)
         check_positive("--lr", self.lr)
         check_at_least("--weight-decay", self.weight_decay, minimum=0)
+        check_seed("--seed", self.seed)
         if self.batch_size > self.num_train:
             raise UserInputError(f"--batch-size={self.batch_size} is larger than --num-train={self.num_train}")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:

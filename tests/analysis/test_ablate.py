@@ -10,6 +10,7 @@ from hf_softmax_rnn.analysis import ablate
 from hf_softmax_rnn.analysis.ablate import AblationRun, held_out_loss, summary_table, variant_spec
 from hf_softmax_rnn.analysis.small_models import small_llama
 from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.errors import UserInputError
 
 QUICK_VARIANTS = ["softmax", "l2", "exp_no_norm_no_clamp", "linear_elu", "taylor_2_l2"]
 
@@ -79,6 +80,18 @@ BAD_ARGUMENTS = {
     "negative-weight-decay": (["--weight-decay", "-1"], r"--weight-decay=-1\.0 is not allowed; expected a number >= 0"),
     "zero-threads": (["--threads", "0"], r"--threads=0 is not allowed; expected an int >= 1"),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
+    "repeated-seed": (
+        ["--variants", "softmax", "--seeds", "0", "1", "0"],
+        r"--seeds 0 1 0 repeats seed 0; expected distinct seeds \(each seed is one independent run\)",
+    ),
+    "negative-seed": (
+        ["--variants", "softmax", "--seeds", "0", "-1"],
+        r"--seeds 0 -1 has seed -1, which is not allowed; expected ints from 0 to 2\*\*32 - 1",
+    ),
+    "seed-past-2**32": (
+        ["--variants", "softmax", "--seeds", str(2**32)],
+        r"--seeds 4294967296 has seed 4294967296, which is not allowed; expected ints from 0 to 2\*\*32 - 1",
+    ),
 }
 
 
@@ -88,6 +101,20 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
     error = capsys.readouterr().err
     assert re.match(r"hf-softmax-rnn ablate: error: " + message, error), error
     assert not (tmp_path / "out").exists()
+
+
+BAD_SEEDS = {
+    "empty": ((), r"--seeds is empty; expected at least one seed"),
+    "repeated": ((3, 1, 3, 1), r"--seeds 3 1 3 1 repeats seed 3, 1; expected distinct seeds"),
+    "bool": ((True,), r"--seeds True has seed True, which is not allowed; expected ints from 0 to 2\*\*32 - 1"),
+    "float": ((0, 1.0), r"--seeds 0 1\.0 has seed 1\.0, which is not allowed"),
+}
+
+
+@pytest.mark.parametrize("seeds,message", BAD_SEEDS.values(), ids=BAD_SEEDS.keys())
+def test_budget_refuses_seeds_that_are_not_distinct_ints_in_range(seeds, message):
+    with pytest.raises(UserInputError, match=message):
+        ablate.AblationBudget(seeds=seeds)
 
 
 def test_cli_names_an_unreadable_dataset(tmp_path, capsys):

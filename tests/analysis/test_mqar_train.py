@@ -83,6 +83,9 @@ def test_cli_rejects_unknown_attention(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+#: A run of a second or two, so that a check missing from it shows as a run, not a long wait.
+TINY = [*"--attention linear_elu --d-model 16 --num-kv-pairs 2 --seq-len 16 --vocab-size 32".split()]
+TINY += [*"--steps 1 --batch-size 4 --num-train 16 --num-test 8".split()]
 BAD_ARGUMENTS = {
     "zero-steps": (["--steps", "0"], r"--steps=0 is not allowed; expected an int >= 1"),
     "zero-eval-every": (["--eval-every", "0"], r"--eval-every=0 is not allowed; expected an int >= 1"),
@@ -93,6 +96,11 @@ BAD_ARGUMENTS = {
     "zero-lr": (["--lr", "0"], r"--lr=0\.0 is not allowed; expected a number > 0"),
     "zero-threads": (["--threads", "0"], r"--threads=0 is not allowed; expected an int >= 1"),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
+    "negative-seed": ([*TINY, "--seed", "-1"], r"--seed=-1 is not allowed; expected an int from 0 to 2\*\*32 - 1"),
+    "seed-past-2**32": (
+        [*TINY, "--seed", str(2**32)],
+        r"--seed=4294967296 is not allowed; expected an int from 0 to 2\*\*32 - 1",
+    ),
 }
 
 

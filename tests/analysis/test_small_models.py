@@ -100,7 +100,10 @@ def test_resolve_device_refuses_unknown_and_missing_devices(monkeypatch):
     with pytest.raises(UserInputError, match=r"--device='tpu9' is not allowed; expected 'auto', 'cpu'"):
         resolve_device("tpu9")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserInputError, match=r"--device='cuda' is not available on this machine"):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(
+        UserInputError, match=r"--device='cuda' is not available on this machine; expected one of \['auto', 'cpu'\]$"
+    ):
         resolve_device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type in ("cpu", "mps")
@@ -109,3 +112,11 @@ def test_resolve_device_refuses_unknown_and_missing_devices(monkeypatch):
 def test_set_threads_refuses_zero():
     with pytest.raises(UserInputError, match=r"--threads=0 is not allowed; expected an int >= 1"):
         set_threads(0)
+
+
+def test_resolve_device_names_the_argument_it_checks():
+    with pytest.raises(UserInputError, match=r"^device='tpu9' is not allowed; expected 'auto', 'cpu'"):
+        resolve_device("tpu9", name="device")
+    with pytest.raises(TypeError, match=r"^device=0 is not allowed; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
+        resolve_device(0, name="device")
+    assert resolve_device(torch.device("cpu"), name="device") == torch.device("cpu")
