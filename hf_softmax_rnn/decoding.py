@@ -25,6 +25,8 @@ then decoded as a batch of B continuations.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
@@ -56,8 +58,13 @@ def static_cache_from(
     """
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"static_cache_from copies a DynamicCache; got {type(cache).__name__}")
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} is not allowed; expected at least 1")
+    if not isinstance(config, PreTrainedConfig):
+        raise TypeError(
+            "static_cache_from: config must be the model's PreTrainedConfig (model.config); got "
+            f"{type(config).__name__}"
+        )
+    max_cache_len = _count("max_cache_len", max_cache_len)
+    repeats = _count("repeats", repeats)
     static = StaticCache(config=config, max_cache_len=max_cache_len)
     if len(static.layers) != len(cache.layers):
         raise ValueError(
@@ -77,6 +84,15 @@ def static_cache_from(
                 "config of the model that filled the cache (sliding-window KV layers are not supported)"
             )
     return static
+
+
+def _count(name: str, value) -> int:
+    """`value` as an int >= 1 (a Python or NumPy integer, not a bool), else an error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"static_cache_from: {name}={value!r} has type {type(value).__name__}; expected an int >= 1")
+    if value < 1:
+        raise ValueError(f"static_cache_from: {name}={value} is not allowed; expected at least 1")
+    return int(value)
 
 
 def _repeated(x: torch.Tensor, repeats: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ tests/gpu/test_graphed_decoding.py."""
 
 import traceback
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -145,3 +146,47 @@ def test_static_cache_from_refuses_what_it_cannot_copy(family):
         static_cache_from(kv_cache, source.config, max_cache_len=4)
     with pytest.raises(ValueError, match="layer 0 of the cache holds no state yet: run the prompt"):
         static_cache_from(DynamicCache(config=model.config), model.config, max_cache_len=8)
+
+
+#: case id -> (keyword arguments of `static_cache_from` over valid ones, error, message).
+_BAD_STATIC_CACHE_ARGUMENTS = {
+    "float_max_cache_len": (dict(max_cache_len=16.0), TypeError, "max_cache_len=16.0 has type float; expected an int"),
+    "string_max_cache_len": (dict(max_cache_len="16"), TypeError, "max_cache_len='16' has type str; expected an int"),
+    "bool_max_cache_len": (dict(max_cache_len=True), TypeError, "max_cache_len=True has type bool; expected an int"),
+    "zero_max_cache_len": (dict(max_cache_len=0), ValueError, "max_cache_len=0 is not allowed; expected at least 1"),
+    "float_repeats": (dict(repeats=2.5), TypeError, "repeats=2.5 has type float; expected an int >= 1"),
+    "string_repeats": (dict(repeats="2"), TypeError, "repeats='2' has type str; expected an int >= 1"),
+    "bool_repeats": (dict(repeats=True), TypeError, "repeats=True has type bool; expected an int >= 1"),
+    "zero_repeats": (dict(repeats=0), ValueError, "repeats=0 is not allowed; expected at least 1"),
+    "no_config": (dict(config=None), TypeError, "config must be the model's PreTrainedConfig.*got NoneType"),
+    "dict_config": (dict(config={"num_hidden_layers": 2}), TypeError, "config must be .*PreTrainedConfig.*got dict"),
+}
+
+
+@pytest.mark.parametrize("name", ["transformers", "linear_elu"])
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [pytest.param(*case, id=case_id) for case_id, case in _BAD_STATIC_CACHE_ARGUMENTS.items()],
+)
+def test_static_cache_from_refuses_bad_arguments_naming_them(family, name, arguments, error, message):
+    """Refused before any copy, for a KV cache and a recurrent one alike (`repeats=True` was taken for 1 by
+    the first and failed deep inside the second)."""
+    model = _model(family, name)
+    ids, _ = left_padded_batch(lengths=(4,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+    call = {"config": model.config, "max_cache_len": 8, "repeats": 2, **arguments}
+    with pytest.raises(error, match=f"static_cache_from: {message}"):
+        static_cache_from(cache, **call)
+
+
+@pytest.mark.parametrize("name", ["transformers", "linear_elu"])
+def test_static_cache_from_takes_numpy_integers(family, name):
+    model = _model(family, name)
+    ids, _ = left_padded_batch(lengths=(4,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        static = static_cache_from(cache, model.config, max_cache_len=np.int64(8), repeats=np.int32(2))
+    assert int(static.get_seq_length()) == 4

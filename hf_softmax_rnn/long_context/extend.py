@@ -21,6 +21,9 @@ from hf_softmax_rnn.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
+#: The most positions an extended model may read: position ids are int64.
+MAX_POSITIONS = 2**63 - 1
+
 
 def _rotary_modules(model) -> list[tuple[object, str, object]]:
     """(parent, attribute name, module) of each rotary embedding of `model` (modules with `inv_freq`)."""
@@ -38,13 +41,27 @@ def check_factor(factor) -> None:
         raise UserInputError(f"extend_context: factor={factor!r} is not allowed; expected a finite number above 1")
 
 
+def extended_positions(original: int, factor) -> int:
+    """`original * factor` positions as an int, refused above `MAX_POSITIONS` (position ids are int64; a
+    larger factor, 1e307 say, gives no finite number of positions at all)."""
+    largest = MAX_POSITIONS // original
+    if not factor <= largest:
+        raise UserInputError(
+            f"extend_context: factor={factor!r} is not allowed: max_position_embeddings={original} times it is "
+            f"more than {MAX_POSITIONS} positions (the largest int64 position id); expected a factor of at most "
+            f"{largest}"
+        )
+    return min(int(original * factor), MAX_POSITIONS)  # (float rounding may step past it)
+
+
 def extend_context(model, factor: float):
     """`model` (in place, and returned) reading `factor` times its `config.max_position_embeddings`:
     its rotary embeddings rebuilt with YaRN scaling by `factor` (> 1) from the config's own
     frequencies, and `max_position_embeddings` multiplied by `factor`. Saved, the model keeps it; a
     model already extended by `factor` (a saved one, or its original) is returned as it is.
 
-    Raises UserInputError for a factor that is not a number above 1, a model without rotary position
+    Raises UserInputError, before the model changes, for a factor that is not a number above 1 or that
+    gives more than 2**63 - 1 positions (position ids are int64), a model without rotary position
     embeddings (GPT-2 looks positions up in a learned table), or one whose rotary embedding is scaled
     otherwise (another `rope_type`, or YaRN by another factor).
     """
@@ -65,16 +82,21 @@ def extend_context(model, factor: float):
             f"factor={rope.get('factor')!r}); expected rope_type 'default', or 'yarn' by factor {factor!r}"
         )
     original = config.max_position_embeddings
-    config.rope_parameters = {
-        **rope,
-        "rope_type": "yarn",
-        "factor": float(factor),
-        "original_max_position_embeddings": original,
+    positions = extended_positions(original, factor)
+    scaled = {
+        "rope_parameters": {
+            **rope,
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": original,
+        },
+        "max_position_embeddings": positions,
     }
-    config.max_position_embeddings = int(original * factor)
-    for parent, name, module in modules:
-        rebuilt = type(module)(config=config)
-        setattr(parent, name, rebuilt.to(module.inv_freq.device))
+    rebuilt = _rebuilt_rotary_modules(config, scaled, modules)
+    for name, value in scaled.items():
+        setattr(config, name, value)
+    for (parent, name, _), module in zip(modules, rebuilt):
+        setattr(parent, name, module)
     logger.info(
         "Rotary embeddings scaled by YaRN, factor %s: %d -> %d positions",
         factor,
@@ -82,3 +104,17 @@ def extend_context(model, factor: float):
         config.max_position_embeddings,
     )
     return model
+
+
+def _rebuilt_rotary_modules(config, scaled: dict, modules: list[tuple[object, str, object]]) -> list[object]:
+    """Each rotary module of `modules` rebuilt from `config` with the fields of `scaled`, on its device;
+    `config` is changed only while they are built and restored whatever happens (the caller assigns
+    `scaled` for good once every module is built, so that a refused scaling leaves the model as it was)."""
+    previous = {name: getattr(config, name) for name in scaled}
+    try:
+        for name, value in scaled.items():
+            setattr(config, name, value)
+        return [type(module)(config=config).to(module.inv_freq.device) for _, _, module in modules]
+    finally:
+        for name, value in previous.items():
+            setattr(config, name, value)

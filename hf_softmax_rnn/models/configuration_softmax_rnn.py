@@ -3,16 +3,18 @@
 A config class (a `@strict` subclass of `LlamaConfig` / `GPT2Config`) declares three fields,
 
     attention: dict | str | AttentionSpec | None       # the spec of every layer (None = "softmax")
-    layer_attention: dict | None                        # {layer_idx: spec} overrides (hybrids)
+    layer_attention: dict | None                        # {layer_idx: spec} overrides (hybrids; None = none)
     attention_mode: str = "parallel"                    # forward without cache: parallel | chunked
 
 and inherits `SoftmaxRNNConfigMixin` for the logic. Specs are validated by `AttentionSpec`
 (presets, dicts and specs all go through `AttentionSpec.coerce`) and stored as plain dicts
-so that config.json holds every field explicitly.
+so that config.json holds every field explicitly. `attention` None (`"attention": null` in a
+config.json) means exact softmax in every layer, the field's default: an unconverted model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
@@ -30,9 +32,17 @@ class SoftmaxRNNConfigMixin:
         keys whenever they are assigned: at construction, by hand, or by `from_pretrained(path,
         layer_attention=...)`, which sets keyword arguments on the loaded config."""
         if name == "attention":
-            value = AttentionSpec.coerce("softmax" if value is None else value).to_dict()
+            value = _spec_dict("attention", "softmax" if value is None else value, "None (exact softmax), " + _SPEC)
         elif name == "layer_attention" and value is not None:
-            value = {str(self._layer_index(key)): AttentionSpec.coerce(spec).to_dict() for key, spec in value.items()}
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    f"layer_attention={value!r} has type {type(value).__name__}; expected None or a mapping of layer "
+                    'index to spec, e.g. {"3": "softmax"} (JSON keys are strings)'
+                )
+            value = {
+                str(self._layer_index(key)): _spec_dict(f"layer_attention[{key!r}]", spec)
+                for key, spec in value.items()
+            }
         super().__setattr__(name, value)
 
     def _layer_index(self, key: Any) -> int:
@@ -87,6 +97,17 @@ class SoftmaxRNNConfigMixin:
         if len(groups) == 1:
             return f"all {self.num_hidden_layers} layers: {next(iter(groups))}"
         return "; ".join(f"{_layer_ranges(layers)}: {description}" for description, layers in groups.items())
+
+
+_SPEC = "a preset name, a dict of AttentionSpec fields or an AttentionSpec"
+
+
+def _spec_dict(field: str, value: Any, expected: str = _SPEC) -> dict[str, Any]:
+    """`value` (a spec, a dict of its fields or a preset name) as the dict a config stores, else a
+    TypeError naming `field` and what it takes (`expected`)."""
+    if not isinstance(value, (AttentionSpec, dict, str)):
+        raise TypeError(f"{field}={value!r} has type {type(value).__name__}; expected {expected}")
+    return AttentionSpec.coerce(value).to_dict()
 
 
 def _layer_ranges(layers: list[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -179,10 +180,14 @@ def _check_tensors(q, k, v) -> None:
             )
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"attention: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(
+            f"attention: q, k, v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one (under "
+            "autocast they may differ, as scaled_dot_product_attention's may)"
+        )
 
 
-def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
-    _check_tensors(q, k, v)
+def _check_shapes(q, k, v) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects q [B, H, L, D] and k, v [B, Hkv, L, D]; got shapes {tuple(q.shape)}, "
@@ -190,8 +195,42 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, sca
         )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention got mismatched shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] < 1 or k.shape[1] < 1 or q.shape[-1] < 1:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} have {q.shape[1]} query heads, {k.shape[1]} "
+            f"key/value heads and head_dim {q.shape[-1]}; expected at least 1 of each"
+        )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+def _check_arguments(gates, params, scale, max_state_bytes) -> None:
+    """The types and ranges of the arguments other than the tensors, the spec, the mode and the state."""
+    if gates is not None and not isinstance(gates, Mapping):
+        raise TypeError(
+            f"attention: gates must be None or a dict of tensors ('output', 'decay'); got {type(gates).__name__}"
+        )
+    if params is not None and not _is_attention_params(params):
+        raise TypeError(f"attention: params must be None or an AttentionParams; got {type(params).__name__}")
+    if scale is not None and (
+        not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"attention: scale={scale!r} is not allowed; expected None or a finite number > 0")
+    if not isinstance(max_state_bytes, numbers.Real) or isinstance(max_state_bytes, bool) or not max_state_bytes >= 0:
+        raise ValueError(
+            f"attention: max_state_bytes={max_state_bytes!r} is not allowed; expected a number of bytes >= 0 "
+            "(math.inf: no limit)"
+        )
+
+
+def _is_attention_params(params) -> bool:
+    """An `AttentionParams`, of this module or of another copy of it (remote code loads one)."""
+    return isinstance(params, AttentionParams) or type(params).__name__ == AttentionParams.__name__
+
+
+def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
+    _check_tensors(q, k, v)
+    _check_shapes(q, k, v)
     if mode not in MODES:
         raise ValueError(f"attention: mode={mode!r} is not allowed; expected one of {list(MODES)}")
     if mode != "parallel" and q.shape[-2] != k.shape[-2]:
@@ -201,10 +240,6 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, sca
             f"attention: mode='parallel' needs at least as many keys as queries (the queries are the last "
             f"positions); got {k.shape[-2]} keys for {q.shape[-2]} queries"
         )
-    if scale is not None and (
-        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0
-    ):
-        raise ValueError(f"attention: scale={scale!r} is not allowed; expected None or a finite number > 0")
     if mode == "parallel" and spec.kept is not None and k.shape[-2] != q.shape[-2]:
         raise ValueError(
             f"attention: {spec.describe()} ranks each key by the queries of its window, so mode='parallel' needs a "
@@ -223,18 +258,32 @@ def _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, sca
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
-    unknown = sorted(set(gates) - {"output", "decay"})
-    if unknown:
-        raise ValueError(
-            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
-        )
-    if spec.output_gate and "output" not in gates:
-        raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
-    _check_decay(gates.get("decay"), k, spec)
+    _check_gates(gates, q, k, spec)
     if spec.window is not None and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
+
+
+def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:
+    unknown = sorted(set(gates) - {"output", "decay"}, key=repr)
+    if unknown:
+        raise ValueError(
+            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
+        )
+    for name, gate in gates.items():
+        if not isinstance(gate, torch.Tensor) or not gate.is_floating_point() or gate.device != q.device:
+            got = f"a {gate.dtype} tensor on {gate.device}" if isinstance(gate, torch.Tensor) else type(gate).__name__
+            raise TypeError(f"attention: gates[{name!r}] must be a real floating tensor on {q.device}; got {got}")
+    if spec.output_gate and "output" not in gates:
+        raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    output = gates.get("output")
+    if spec.output_gate and tuple(output.shape) != tuple(q.shape[:3]):
+        raise ValueError(
+            f"attention: gates['output'] has shape {tuple(output.shape)}; expected one gate per query head and "
+            f"query, {list(q.shape[:3])}"
+        )
+    _check_decay(gates.get("decay"), k, spec)
 
 
 def _check_decay(log_decay: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
@@ -311,15 +360,20 @@ def _one_op_under_autocast(function: Callable) -> Callable:
     """Under autocast, `function(q, k, v, ..., io_dtype=None)` is one operation, as autocast treats SDPA:
     its `io_dtype` (unless given) is autocast's dtype, and the body runs with autocast off, so that the
     fused kernels read that dtype (bfloat16, not the float32 in which q and k leave RoPE) and the PyTorch
-    forms compute in float32 as they do outside autocast (autocast would run their products in bfloat16)."""
+    forms compute in float32 as they do outside autocast (autocast would run their products in bfloat16).
+    As autocast lets SDPA take q, k, v of mixed dtypes (q and k leave RoPE in float32, v its projection in
+    bfloat16), they are cast to their promoted dtype first; outside autocast they must share one."""
 
     @functools.wraps(function)
     def one_op(q, k, v, *args, **kwargs):
         dtype = _autocast_dtype(q, k, v)
         if dtype is None:
             return function(q, k, v, *args, **kwargs)
+        one = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)  # as SDPA, mixed dtypes are one
         with torch.autocast(q.device.type, enabled=False):
-            return function(q, k, v, *args, **{**kwargs, "io_dtype": kwargs.get("io_dtype") or dtype})
+            return function(
+                q.to(one), k.to(one), v.to(one), *args, **{**kwargs, "io_dtype": kwargs.get("io_dtype") or dtype}
+            )
 
     return one_op
 
@@ -368,9 +422,11 @@ def attention(
         update_state_in_place: recurrent mode without autograd (decoding): the finite-state part
             of `state` is updated in place and the returned state holds the same tensor.
         io_dtype: the dtype of the output, which the fused kernels (and SDPA, for exact softmax) read;
-            None: the promoted dtype of q, k and v, or autocast's dtype under autocast (as autocast
-            runs SDPA; autocast is off inside). The PyTorch forms compute in the promoted dtype of
-            q, k and v, float32 at least, whatever `io_dtype` is.
+            None: the dtype of q, k and v, or autocast's dtype under autocast (as autocast runs SDPA;
+            autocast is off inside). q, k and v share one real floating dtype; under autocast they may
+            differ, as SDPA's may (q and k leave RoPE in float32, v its projection in bfloat16), and are
+            cast to their promoted dtype first. The PyTorch forms compute in that dtype, float32 at
+            least, whatever `io_dtype` is.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
@@ -383,13 +439,13 @@ def attention(
             f"attention: spec must be an AttentionSpec, a dict of its fields or a preset name; got {spec!r}"
         )
     spec = AttentionSpec.coerce(spec)
+    _check_arguments(gates, params, scale, max_state_bytes)
     gates, params = gates or {}, params or AttentionParams()
     _check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
     if io_dtype is not None and io_dtype not in _IO_DTYPES:
         raise ValueError(f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(_IO_DTYPES)}")
-    promoted = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    out_dtype = promoted if io_dtype is None else io_dtype
-    q, k, v = q.to(promoted), k.to(promoted), v.to(promoted)
+    input_dtype = q.dtype  # (k's and v's too)
+    out_dtype = input_dtype if io_dtype is None else io_dtype
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
             f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "
@@ -398,7 +454,7 @@ def attention(
     spec.check_mode(mode, q.shape[-1], max_state_bytes)
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
-    softmax_scale = head_dim**-0.5 if scale is None else scale
+    softmax_scale = head_dim**-0.5 if scale is None else float(scale)
     tag = state_tag(spec, softmax_scale, heads, kv_heads, head_dim, value_dim)
     if state is not None:
         _check_state(state, q, k, v, spec, tag)
@@ -419,11 +475,11 @@ def attention(
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         return softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale), None
 
-    compute_dtype = torch.float32 if promoted in _HALF_DTYPES else promoted
+    compute_dtype = torch.float32 if input_dtype in _HALF_DTYPES else input_dtype
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
     needs_state = mode != "parallel" and return_state
     fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
-    promoted_qkv = (q, k, v)
+    input_qkv = (q, k, v)
     target = compute_dtype if fused is None else out_dtype  # a fused kernel reads io_dtype
     q, k, v = q.to(target), k.to(target), v.to(target)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
@@ -485,7 +541,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
-            flex_inputs=_flex_inputs(promoted_qkv, out_dtype) if window_fused == "flex" else None,
+            flex_inputs=_flex_inputs(input_qkv, out_dtype) if window_fused == "flex" else None,
             fresh_state=fresh_state,
             keep_state=needs_state,
         )

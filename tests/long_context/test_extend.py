@@ -3,7 +3,9 @@ own model built from the YaRN config does; it keeps the scaling when saved; bad 
 before the model changes."""
 
 import copy
+import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -67,6 +69,18 @@ def test_extending_again_by_the_same_factor_leaves_the_model_as_it_is():
     torch.testing.assert_close(_logits(model), logits, rtol=0, atol=0)
 
 
+def _rotary_state(model) -> list[tuple[object, dict[str, torch.Tensor], float]]:
+    """Each rotary embedding of `model`: the module, a copy of its buffers and its attention scaling."""
+    return [
+        (module, {name: buffer.clone() for name, buffer in module.named_buffers()}, module.attention_scaling)
+        for module in model.modules()
+        if hasattr(module, "inv_freq")
+    ]
+
+
+TOO_MANY_POSITIONS = "is more than 9223372036854775807 positions"
+
+
 @pytest.mark.parametrize(
     ("build", "factor", "message"),
     [
@@ -76,16 +90,55 @@ def test_extending_again_by_the_same_factor_leaves_the_model_as_it_is():
         (tiny_llama, float("nan"), "factor=nan is not allowed"),
         (tiny_llama, True, "factor=True is not allowed"),
         (tiny_llama, "2", "factor='2' is not allowed"),
+        (tiny_llama, 1e307, f"factor=1e\\+307 is not allowed: max_position_embeddings=512 .*{TOO_MANY_POSITIONS}"),
+        (tiny_llama, np.float64(1e307), f"factor=np.float64\\(1e\\+307\\) is not allowed.*{TOO_MANY_POSITIONS}"),
+        (tiny_llama, sys.float_info.max, f"factor=1.79.*e\\+308 is not allowed.*{TOO_MANY_POSITIONS}"),
+        (tiny_llama, 1e300, f"{TOO_MANY_POSITIONS} .*; expected a factor of at most 18014398509481983$"),
+        (tiny_llama, 10**400, TOO_MANY_POSITIONS),
         (tiny_gpt2, 2, "GPT2LMHeadModel has no rotary position embedding to rescale"),
         (lambda: extend_context(tiny_llama(), 3), 2, "already scaled \\(rope_type='yarn', factor=3.0\\)"),
     ],
-    ids=["one", "below-one", "inf", "nan", "bool", "string", "gpt2", "other-factor"],
+    ids=[
+        "one",
+        "below-one",
+        "inf",
+        "nan",
+        "bool",
+        "string",
+        "1e307",
+        "numpy-1e307",
+        "float-max",
+        "beyond-int64-positions",
+        "huge-int",
+        "gpt2",
+        "other-factor",
+    ],
 )
 def test_bad_input_is_refused_and_leaves_the_model_as_it_was(build, factor, message):
     model = build()
     config, weights = copy.deepcopy(model.config.to_dict()), copy.deepcopy(model.state_dict())
+    rotary = _rotary_state(model)
     with pytest.raises(UserInputError, match=message):
         extend_context(model, factor)
     assert model.config.to_dict() == config
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name])
+    assert [module for module, _, _ in _rotary_state(model)] == [module for module, _, _ in rotary]
+    for module, buffers, scaling in rotary:
+        assert module.attention_scaling == scaling
+        assert all(torch.equal(buffer, buffers[name]) for name, buffer in module.named_buffers())
+
+
+def test_a_rotary_embedding_that_fails_to_build_leaves_the_model_as_it_was(monkeypatch):
+    """Whatever fails while the embeddings are rebuilt (here the rotary class itself), the config and the
+    rotary embeddings stay as they were."""
+    model = tiny_llama()
+    config, rotary = copy.deepcopy(model.config.to_dict()), model.model.rotary_emb
+
+    def failing_init(self, config):
+        raise RuntimeError("rope init failed")
+
+    monkeypatch.setattr(type(rotary), "__init__", failing_init)
+    with pytest.raises(RuntimeError, match="rope init failed"):
+        extend_context(model, 2)
+    assert model.config.to_dict() == config and model.model.rotary_emb is rotary

@@ -1,5 +1,7 @@
 """The softmax_rnn configs: attention fields, validation through AttentionSpec, JSON round trip."""
 
+import json
+
 import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig
@@ -141,6 +143,57 @@ def test_json_round_trip_through_auto_config(make_config, tmp_path):
 def test_bad_attention_fields_raise_naming_the_value(make_config, extra, message):
     with pytest.raises(ValueError, match=message):
         make_config(**extra)
+
+
+SPEC_WORDS = "expected a preset name, a dict of AttentionSpec fields or an AttentionSpec"
+LAYER_MAPPING = "expected None or a mapping of layer index to spec"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"layer_attention": ["softmax", "linear_elu", "softmax"]},
+            f"layer_attention=\\[.*\\] has type list; {LAYER_MAPPING}",
+        ),
+        ({"layer_attention": "softmax"}, f"layer_attention='softmax' has type str; {LAYER_MAPPING}"),
+        ({"layer_attention": {"1": None}}, f"layer_attention\\['1'\\]=None has type NoneType; {SPEC_WORDS}"),
+        ({"layer_attention": {1: 3}}, f"layer_attention\\[1\\]=3 has type int; {SPEC_WORDS}"),
+        ({"attention": 3}, "attention=3 has type int; expected None \\(exact softmax\\), a preset name"),
+        ({"attention": ["linear_elu"]}, "attention=\\['linear_elu'\\] has type list; expected None"),
+    ],
+    ids=["layer-list", "layer-string", "layer-spec-none", "layer-spec-int", "attention-int", "attention-list"],
+)
+def test_wrongly_typed_attention_fields_raise_naming_the_field(make_config, extra, message):
+    with pytest.raises(TypeError, match=message):
+        make_config(**extra)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"layer_attention": ["linear_elu"]}, f"layer_attention=\\['linear_elu'\\] has type list; {LAYER_MAPPING}"),
+        ({"layer_attention": {"0": None}}, f"layer_attention\\['0'\\]=None has type NoneType; {SPEC_WORDS}"),
+        ({"attention": 3}, "attention=3 has type int"),
+    ],
+    ids=["layer-list", "layer-spec-null", "attention-int"],
+)
+def test_an_edited_config_json_with_a_wrongly_typed_field_is_refused_naming_it(make_config, tmp_path, edit, message):
+    make_config(attention="linear_elu").save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(TypeError, match=message):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_attention_null_in_config_json_is_documented_exact_softmax(make_config, tmp_path):
+    """`"attention": null` is the field's default, exact softmax (an unconverted model), as the config
+    classes and docs/models.md say."""
+    make_config(attention="linear_elu").save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "attention": None}))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert [loaded.attention_spec(i) for i in range(3)] == [AttentionSpec.from_preset("softmax")] * 3
 
 
 def test_attention_spec_of_a_missing_layer_raises(make_config):

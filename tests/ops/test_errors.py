@@ -1,5 +1,6 @@
 """Bad input to the ops raises with a message naming the value and what is allowed."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,7 @@ def test_hedgehog_needs_its_weights():
 
 
 ELU = AttentionSpec.from_preset("linear_elu")
+GATED_ELU = AttentionSpec.from_preset("linear_elu", output_gate=True)
 
 
 def _modified(name):
@@ -92,6 +94,23 @@ def _modified(name):
         "scale_zero": dict(scale=0.0),
         "scale_negative": dict(scale=-0.5),
         "scale_string": dict(scale="0.5"),
+        "head_dim_zero": dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]),
+        "kv_heads_zero": dict(k=k[:, :0], v=v[:, :0]),
+        "query_heads_zero": dict(q=q[:, :0]),
+        "params_int": dict(params=3),
+        "params_dict": dict(params={"linear_log_scale": None}),
+        "max_state_bytes_string": dict(mode="chunked", max_state_bytes="1e9"),
+        "max_state_bytes_nan": dict(mode="chunked", max_state_bytes=float("nan")),
+        "max_state_bytes_negative": dict(mode="chunked", max_state_bytes=-1),
+        "gates_int": dict(gates=3),
+        "gates_list": dict(gates=[("output", torch.ones(2, 4, 4))]),
+        "output_gate_wrong_shape": dict(spec=GATED_ELU, gates={"output": torch.rand(2, 4, 5, dtype=torch.float64)}),
+        "output_gate_per_kv_head": dict(spec=GATED_ELU, gates={"output": torch.rand(2, 2, 4, dtype=torch.float64)}),
+        "output_gate_not_a_tensor": dict(spec=GATED_ELU, gates={"output": [[0.5] * 4] * 4}),
+        "output_gate_bool": dict(spec=GATED_ELU, gates={"output": torch.ones(2, 4, 4, dtype=torch.bool)}),
+        "float32_q_float64_kv": dict(q=q.float()),
+        "bfloat16_v_float32_qk": dict(q=q.float(), k=k.float(), v=v.bfloat16()),
+        "float16_k": dict(k=k.half()),
     }[name]
     return {**call, **bad}
 
@@ -111,6 +130,23 @@ _BAD_ARGUMENTS = [
     ("scale_zero", ValueError, "scale=0.0 is not allowed"),
     ("scale_negative", ValueError, "scale=-0.5 is not allowed"),
     ("scale_string", ValueError, "scale='0.5' is not allowed"),
+    ("head_dim_zero", ValueError, "head_dim 0; expected at least 1 of each"),
+    ("kv_heads_zero", ValueError, "0 key/value heads and head_dim 8; expected at least 1 of each"),
+    ("query_heads_zero", ValueError, "have 0 query heads, 2 key/value heads"),
+    ("params_int", TypeError, "params must be None or an AttentionParams; got int"),
+    ("params_dict", TypeError, "params must be None or an AttentionParams; got dict"),
+    ("max_state_bytes_string", ValueError, "max_state_bytes='1e9' is not allowed; expected a number of bytes >= 0"),
+    ("max_state_bytes_nan", ValueError, "max_state_bytes=nan is not allowed"),
+    ("max_state_bytes_negative", ValueError, "max_state_bytes=-1 is not allowed"),
+    ("gates_int", TypeError, "gates must be None or a dict of tensors.*got int"),
+    ("gates_list", TypeError, "gates must be None or a dict of tensors.*got list"),
+    ("output_gate_wrong_shape", ValueError, r"gates\['output'\] has shape \(2, 4, 5\); expected .*\[2, 4, 4\]"),
+    ("output_gate_per_kv_head", ValueError, r"gates\['output'\] has shape \(2, 2, 4\); expected .*\[2, 4, 4\]"),
+    ("output_gate_not_a_tensor", TypeError, r"gates\['output'\] must be a real floating tensor on cpu; got list"),
+    ("output_gate_bool", TypeError, r"gates\['output'\] must be a real floating tensor .*got a torch.bool tensor"),
+    ("float32_q_float64_kv", TypeError, "q, k, v must have one dtype; got torch.float32, torch.float64, torch.float64"),
+    ("bfloat16_v_float32_qk", TypeError, "one dtype; got torch.float32, torch.float32, torch.bfloat16"),
+    ("float16_k", TypeError, "one dtype; got torch.float64, torch.float16, torch.float64"),
 ]
 
 
@@ -163,11 +199,25 @@ def test_a_state_is_accepted_by_the_spec_that_made_it_with_another_chunk_size():
     torch.testing.assert_close(rest.packed, whole.packed)
 
 
-def test_mixed_float_dtypes_compute_in_their_promoted_dtype():
-    """Under bf16 autocast q and k leave RoPE in float32 while v is bf16: computed as float32 throughout."""
+@pytest.mark.parametrize(
+    "scale", [np.float32(0.5), np.float64(0.5), np.int64(2)], ids=["numpy_float32", "numpy_float64", "numpy_int64"]
+)
+@pytest.mark.parametrize("mode", ["parallel", "chunked"])
+def test_a_numpy_scale_is_taken_as_the_python_number(mode, scale):
+    q, k, v, _ = make_inputs(length=4)
+    got, state = attention(q, k, v, ELU, mode=mode, scale=scale)
+    want, want_state = attention(q, k, v, ELU, mode=mode, scale=float(scale))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert state is None or state.made_by == want_state.made_by
+
+
+def test_mixed_float_dtypes_are_taken_under_autocast_in_their_promoted_dtype():
+    """Under bf16 autocast q and k leave RoPE in float32 while v is bf16: as autocast lets SDPA take them, they
+    are computed as float32 throughout (outside autocast they are refused, see above)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
-    got, _ = attention(q, k, v, "linear_elu", mode="chunked")
-    want, _ = attention(q, k, v.float(), "linear_elu", mode="chunked")
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = attention(q, k, v, "linear_elu", mode="chunked")
+    want, _ = attention(q, k, v.float(), "linear_elu", mode="chunked", io_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
