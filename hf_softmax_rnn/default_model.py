@@ -13,6 +13,7 @@ model and anything else is a local directory or a Hub id.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -140,10 +141,49 @@ def _load_part(name: str, part: str, load):
         ) from error
 
 
+#: The file that marks a PEFT adapter folder (which holds no model of its own).
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_base(folder: Path) -> str | None:
+    """The base model that a PEFT adapter's config names, if any."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return base if isinstance(base, str) and base else None
+
+
+def _refuse_adapter(name: str, folder: Path) -> None:
+    """Refuse a PEFT adapter folder (adapter_config.json, no config.json), naming what to pass instead: the
+    model folder above it (a finetune run's merged model) or the model it applies to (its config's base, a
+    model folder beside it such as a run's adapter_base/)."""
+    if _is_model(folder) or not (folder / ADAPTER_CONFIG).is_file():
+        return
+    parent = folder.resolve().parent
+    beside = sorted(str(p) for p in parent.iterdir() if p.is_dir() and p != folder.resolve() and _is_model(p))
+    bases = [base for base in (_adapter_base(folder), *beside[:3]) if base]
+    options = []
+    if _is_model(parent):
+        options.append(f"{str(parent)!r} (the model folder holding it: a finetune run's merged model)")
+    if bases:
+        options.append(f"the model the adapter applies to: {' or '.join(map(repr, bases))}")
+    instead = " or ".join(options) or f"the model it applies to (its {ADAPTER_CONFIG} names none)"
+    raise UserInputError(
+        f"Model {name!r} is a PEFT adapter ({ADAPTER_CONFIG}, no config.json), not a model; pass {instead}"
+    )
+
+
+def _is_model(folder: Path) -> bool:
+    """Whether `folder` holds a saved model (config.json)."""
+    return (folder / "config.json").is_file()
+
+
 def resolve_model(
     name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` from "default" (the embedded model), a local directory or a Hub id.
+    A PEFT adapter folder is refused (`UserInputError`), naming the model folder to pass instead.
 
     Any model type registered with `AutoModelForCausalLM` loads, including this package's
     converted models. A name that looks like a path (absolute, starting with "." or "~", or
@@ -154,6 +194,7 @@ def resolve_model(
         return default_model(dtype), default_tokenizer()
     path = Path(name).expanduser()
     if path.is_dir():
+        _refuse_adapter(name, path)
         source = str(path)
     elif path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
         raise FileNotFoundError(

@@ -1,4 +1,7 @@
 import importlib
+import json
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -8,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_softmax_rnn
+from hf_softmax_rnn import cli
 from hf_softmax_rnn.default_model import (
     DEFAULT_MODEL_NAME,
     default_model,
@@ -15,7 +19,7 @@ from hf_softmax_rnn.default_model import (
     ensure_default_model_cache,
     resolve_model,
 )
-from hf_softmax_rnn.errors import MissingPackageError
+from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 from hf_softmax_rnn.evaluation import perplexity
 
 from .models.helpers import LLAMA_SHAPE
@@ -85,6 +89,58 @@ def test_resolve_model_missing_path_raises(name):
 def test_resolve_model_rejects_a_file(tiny_llama_dir):
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model(tiny_llama_dir / "config.json")
+
+
+def _save_adapter(model_dir: Path, folder: Path, *, base: str | None) -> Path:
+    """A PEFT LoRA adapter of the model in `model_dir`, saved in `folder`, its config naming `base`."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = get_peft_model(LlamaForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.save_pretrained(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": base}))
+    return folder
+
+
+def _run_folder(model_dir: Path, tmp_path: Path) -> Path:
+    """What `finetune` leaves: the merged model, adapter/ (naming no base) and adapter_base/."""
+    run = tmp_path / "run"
+    shutil.copytree(model_dir, run)
+    shutil.copytree(model_dir, run / "adapter_base")
+    return _save_adapter(model_dir, run / "adapter", base=None)
+
+
+ADAPTERS = {
+    "in-a-run-folder": (
+        _run_folder,
+        r"pass '{tmp}/run' \(the model folder holding it: a finetune run's merged model\) or the model the "
+        r"adapter applies to: '{tmp}/run/adapter_base'",
+    ),
+    "naming-its-base": (
+        lambda model_dir, tmp_path: _save_adapter(model_dir, tmp_path / "lone" / "adapter", base="org/base-model"),
+        r"pass the model the adapter applies to: 'org/base-model'",
+    ),
+    "naming-no-base": (
+        lambda model_dir, tmp_path: _save_adapter(model_dir, tmp_path / "lone" / "adapter", base=None),
+        r"pass the model it applies to \(its adapter_config\.json names none\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("make,message", ADAPTERS.values(), ids=ADAPTERS.keys())
+def test_a_peft_adapter_folder_is_named_with_the_folder_to_pass(tiny_llama_dir, tmp_path, make, message):
+    adapter = make(tiny_llama_dir, tmp_path)
+    expected = rf"Model '{adapter}' is a PEFT adapter \(adapter_config\.json, no config\.json\), not a model; "
+    with pytest.raises(UserInputError, match=expected + message.format(tmp=tmp_path)):
+        resolve_model(str(adapter))
+
+
+def test_the_cli_reports_an_adapter_folder_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    adapter = _run_folder(tiny_llama_dir, tmp_path)
+    assert cli.main(["finetune", "--output-dir", str(tmp_path / "out"), "--model", str(adapter)]) == 2
+    error = capsys.readouterr().err
+    assert re.search(rf"^hf-softmax-rnn finetune: error: Model '{adapter}' is a PEFT adapter .*$", error, re.MULTILINE)
+    assert "Traceback" not in error and not (tmp_path / "out").exists()
 
 
 def test_resolve_model_unknown_hub_id_offline_raises():

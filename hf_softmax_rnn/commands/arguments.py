@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -131,5 +132,21 @@ def check_output_folders(args: argparse.Namespace) -> None:
         existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
         if not existing.is_dir():
             raise UserInputError(f"{flag}={value} lies under {existing}, which is a file, not a folder")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserInputError(f"{flag}={value} cannot be written: {existing} is not writable")
+        _check_folder_creatable(f"{flag}={value}", existing)
+
+
+#: Prefix of the folder `_check_folder_creatable` creates and removes at once.
+_PROBE_PREFIX = ".hf_softmax_rnn-write-check-"
+
+
+def _check_folder_creatable(given: str, existing: Path) -> None:
+    """Create and remove a folder in `existing`, the nearest existing folder of an output path: permission
+    bits (`os.access`) say yes to root and to places that refuse every write (/sys, a read-only mount)."""
+    try:
+        probe = tempfile.mkdtemp(prefix=_PROBE_PREFIX, dir=existing)
+    except OSError as error:
+        raise UserInputError(
+            f"{given} cannot be written: no folder can be created in {existing} ({error.strerror or error}); "
+            "expected a writable place"
+        ) from error
+    os.rmdir(probe)

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+import pyarrow.compute
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets, load_dataset
 from datasets.exceptions import DatasetsError
 
@@ -24,6 +25,8 @@ from hf_softmax_rnn.errors import UserInputError
 logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS = "pydoc"
+#: The column of texts in every loaded corpus (a source's own text column is renamed to it).
+TEXT_COLUMN = "text"
 _FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 #: Bytes of each local text-format file checked for UTF-8 before `datasets` reads it.
 _SNIFF_BYTES = 1 << 16
@@ -37,7 +40,7 @@ def pydoc_corpus(test_every: int = 10) -> DatasetDict:
     split = {"train": [], "test": []}
     for index, (_, text) in enumerate(topics):
         split["test" if index % test_every == test_every - 1 else "train"].append(text.strip())
-    return DatasetDict({name: Dataset.from_dict({"text": texts}) for name, texts in split.items()})
+    return DatasetDict({name: Dataset.from_dict({TEXT_COLUMN: texts}) for name, texts in split.items()})
 
 
 SOURCE_SEPARATOR = "+"
@@ -68,7 +71,7 @@ def load_corpus(
     dataset: str | None = None,
     *,
     config_name: str | None = None,
-    text_column: str = "text",
+    text_column: str = TEXT_COLUMN,
     test_fraction: float = 0.1,
     seed: int = 0,
     streaming: bool = False,
@@ -86,8 +89,10 @@ def load_corpus(
         return pydoc_corpus()
     loaded = _load(dataset, config_name, streaming)
     _check_text_column(loaded["train"], text_column, dataset)
-    if text_column != "text":
-        loaded = loaded.rename_column(text_column, "text")
+    for split, rows in loaded.items():
+        _check_no_missing_text(rows, text_column, dataset, split)
+    if text_column != TEXT_COLUMN:
+        loaded = loaded.rename_column(text_column, TEXT_COLUMN)
     held_out = next((name for name in ("test", "validation") if name in loaded), None)
     if held_out is not None:
         return DatasetDict({"train": loaded["train"], "test": loaded[held_out]})
@@ -163,6 +168,24 @@ def _check_text_column(train: Dataset | IterableDataset, text_column: str, datas
     dtype = getattr(feature, "dtype", type(feature).__name__)
     if feature is not None and dtype not in ("string", "large_string"):
         raise UserInputError(f"Column {text_column!r} of dataset {dataset!r} holds {dtype} values; expected strings")
+
+
+def _check_no_missing_text(rows: Dataset | IterableDataset, text_column: str, dataset: str, split: str) -> None:
+    """Refuse a split whose `text_column` holds nulls (a JSON null, an empty CSV cell), naming the first row:
+    silently dropping them would hide a problem in the data. A streamed split is not read ahead."""
+    if not isinstance(rows, Dataset):
+        return
+    column = rows.with_format("arrow")[text_column]
+    if column.null_count == 0:
+        return
+    first = pyarrow.compute.index(pyarrow.compute.is_null(column), True).as_py()
+    _, files = _local_files(dataset)
+    across = f" across its {len(files)} files in sorted order" if files and len(files) > 1 else ""
+    count = f"{column.null_count} such row{'s' if column.null_count > 1 else ''}"
+    raise UserInputError(
+        f"Dataset {dataset!r}: column {text_column!r} holds a null (None) instead of text at row {first} of its "
+        f"{split} split (counting from 0{across}; {count}); expected a string in every row: fill or remove them"
+    )
 
 
 def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:

@@ -164,11 +164,32 @@ def _chat_prompt(tokenizer, request: str) -> list[int]:
     return tokenizer(request + "\n\n", add_special_tokens=False)["input_ids"]
 
 
+def _stop_ids(model) -> list[int]:
+    """The ids that end a sampled text: the eos ids of the model's generation config (none: every text runs
+    to `max_new_tokens`)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _padding_id(model, tokenizer) -> int:
+    """The id that pads the prompts on the left and fills a row after its stop id: the tokenizer's pad or eos
+    token, else the model's. Masked prompt positions and what follows a stop id are never read, so with neither
+    (no text then stops early) any id in the vocabulary does: 0."""
+    candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, model.generation_config.pad_token_id)
+    return next((id_ for id_ in (*candidates, *_stop_ids(model)) if id_ is not None), 0)
+
+
+def _until_stop(row: list[int], stop_ids: list[int]) -> list[int]:
+    """The tokens of a sampled `row` before its first stop id (after it comes padding)."""
+    return next((row[:index] for index, token in enumerate(row) if token in stop_ids), row)
+
+
 @torch.no_grad()
 def generate_texts(model, tokenizer, settings: GenerationSettings, progress: bool = True) -> list[str]:
-    """Sample `settings.num_texts` answers of `model` to `prompts(...)`, in batches (left padded)."""
+    """Sample `settings.num_texts` answers of `model` to `prompts(...)`, in batches (left padded), each cut at
+    the first of the model's eos ids: a tokenizer without eos or pad token writes the same texts."""
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id, stop_ids = _padding_id(model, tokenizer), _stop_ids(model)
     requests = prompts(settings.num_texts, settings.seed)
     texts = []
     was_training = model.training
@@ -189,7 +210,8 @@ def generate_texts(model, tokenizer, settings: GenerationSettings, progress: boo
             max_new_tokens=settings.max_new_tokens,
             pad_token_id=pad_id,
         )
-        texts += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+        rows = [_until_stop(row, stop_ids) for row in output[:, width:].tolist()]
+        texts += tokenizer.batch_decode(rows, skip_special_tokens=True)
     model.train(was_training)
     return [text.strip() for text in texts]
 
@@ -198,7 +220,8 @@ def generated_corpus(
     model, tokenizer, settings: GenerationSettings | None = None, *, test_every: int = 16, progress: bool = True
 ) -> DatasetDict:
     """The model's own texts as {"train", "test"} datasets with a "text" column (every
-    `test_every`-th text held out), generated once and then read from the cache."""
+    `test_every`-th text held out; the last one when there are fewer), generated once and then read
+    from the cache."""
     settings = settings or GenerationSettings()
     path = cache_path(model, settings)
     if path.is_file():
@@ -212,7 +235,8 @@ def generated_corpus(
             handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
         os.replace(handle.name, path)
     texts = [text for text in texts if text]
+    held_out = set(range(test_every - 1, len(texts), test_every)) or {len(texts) - 1}
     split = {"train": [], "test": []}
     for index, text in enumerate(texts):
-        split["test" if index % test_every == test_every - 1 else "train"].append(text)
+        split["test" if index in held_out else "train"].append(text)
     return DatasetDict({name: Dataset.from_dict({"text": rows}) for name, rows in split.items()})

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
-from hf_softmax_rnn.commands.arguments import option
-from hf_softmax_rnn.data.corpus import source_names
+from hf_softmax_rnn.commands.arguments import SHOWN_DEFAULT, option
+from hf_softmax_rnn.data.corpus import DEFAULT_CORPUS, SOURCE_SEPARATOR, TEXT_COLUMN, source_names
+from hf_softmax_rnn.data.generated import GENERATED_CORPUS
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.long_context.extend import check_factor
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
@@ -29,6 +34,11 @@ FINETUNE_METHODS = ("lora", "full")
 FINETUNE_LOSSES = ("lm", "distill")
 LR_SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
 MIXED_PRECISION = ("no", "fp16", "bf16")
+#: The LoRA settings, with their values when --finetune-method lora is not given them; a full fine-tuning run,
+#: which they do not apply to, refuses them and leaves them None.
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_targets": None}
+#: Dataset sources that are read without columns (their texts are the one `TEXT_COLUMN`).
+SOURCES_WITHOUT_COLUMNS = (DEFAULT_CORPUS, GENERATED_CORPUS)
 
 #: Fields that may change between a run and its `--resume` without changing the trained weights.
 RESUMABLE_CHANGES = frozenset(
@@ -101,6 +111,39 @@ def _check_at_least(name: str, value: float, minimum: float = 1) -> None:
 def _check_positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise UserInputError(f"{name}={value!r} is not allowed; expected a number > 0")
+
+
+def _flag(name: str) -> str:
+    """The `finetune` flag of field `name`."""
+    return "--" + name.replace("_", "-")
+
+
+def _same_place(saved: Any, current: Any, names: tuple[str, ...] = ()) -> bool:
+    """Whether two values of a --model or dataset source name the same thing: two existing local paths
+    compared resolved (`./llama/` from /tmp is `/tmp/llama`), anything else (a Hub id, one of the reserved
+    `names`) as given."""
+    if isinstance(saved, str) and isinstance(current, str) and not {saved, current} & set(names):
+        paths = [Path(value).expanduser() for value in (saved, current)]
+        if all(path.exists() for path in paths):
+            return paths[0].resolve() == paths[1].resolve()
+    return saved == current
+
+
+def _same_model(saved: Any, current: Any) -> bool:
+    """`_same_place`, the embedded model's alias never read as a folder."""
+    return _same_place(saved, current, (DEFAULT_MODEL_ALIAS,))
+
+
+def _same_dataset(saved: Any, current: Any) -> bool:
+    """Same sources in the same order, each compared by `_same_place`."""
+    if not (isinstance(saved, str) and isinstance(current, str)):
+        return saved == current
+    then, now = saved.split(SOURCE_SEPARATOR), current.split(SOURCE_SEPARATOR)
+    return len(then) == len(now) and all(_same_place(*pair, SOURCES_WITHOUT_COLUMNS) for pair in zip(then, now))
+
+
+#: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
+SAME_SETTING = {"model": _same_model, "dataset": _same_dataset}
 
 
 #: Tokens per training block of most recipes; `HELDOUT_BLOCK_SIZE`: per held-out block of every recipe, so
@@ -207,7 +250,11 @@ class FinetuneConfig:
         group=_DATA,
     )
     dataset_config: str | None = option(None, "configuration name of a Hub dataset", group=_DATA)
-    text_column: str = option("text", "column holding the text", group=_DATA)
+    text_column: str = option(
+        TEXT_COLUMN,
+        "column holding the text (of files and Hub datasets; 'pydoc' and 'generated' have no other)",
+        group=_DATA,
+    )
     streaming: bool = option(False, "stream the dataset instead of loading it whole", group=_DATA)
     test_fraction: float = option(0.1, "held-out share when the data has no test split", group=_DATA)
     block_size: int | None = option(
@@ -263,9 +310,13 @@ class FinetuneConfig:
         **_RECIPE,
     )
     lr: float | None = option(None, "peak learning rate", group=_FINETUNE, **_RECIPE)
-    lora_rank: int = option(8, "LoRA rank r", group=_FINETUNE)
-    lora_alpha: float = option(16.0, "LoRA alpha (scale alpha / r)", group=_FINETUNE)
-    lora_dropout: float = option(0.0, "dropout on the LoRA input", group=_FINETUNE)
+    lora_rank: int | None = option(None, "LoRA rank r", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_rank"]})
+    lora_alpha: float | None = option(
+        None, "LoRA alpha (scale alpha / r)", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_alpha"]}
+    )
+    lora_dropout: float | None = option(
+        None, "dropout on the LoRA input", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_dropout"]}
+    )
     lora_targets: list[str] | None = option(
         None, "module name suffixes (the attention projections when not given)", group=_FINETUNE
     )
@@ -329,8 +380,10 @@ class FinetuneConfig:
         flag="--no-long-eval-fidelity",
         group=_LONG,
     )
-    push_to_hub: str | None = option(None, "upload the outputs to this Hub repo", metavar="REPO", group=_OUTPUT)
-    hub_private: bool = option(False, "create the Hub repo as private", group=_OUTPUT)
+    push_to_hub: str | None = option(
+        None, "upload the outputs to this Hub repo ('name' or 'owner/name')", metavar="REPO", group=_OUTPUT
+    )
+    hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
         self.attention_spec = parse_attention(self.attention)
@@ -345,6 +398,7 @@ class FinetuneConfig:
         if "eval_block_size" in self.blocks_from_recipe:
             self.eval_block_size = min(self.block_size, HELDOUT_BLOCK_SIZE)
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
+        self._check_lora()
         _check_choice("finetune_loss", self.finetune_loss, FINETUNE_LOSSES)
         _check_choice("attention_mode", self.attention_mode, NO_CACHE_MODES)
         if self.extend_context is not None:
@@ -358,7 +412,6 @@ class FinetuneConfig:
             "eval_every",
             "save_every",
             "save_total_limit",
-            "lora_rank",
             "generated_texts",
             "generated_tokens",
             "shuffle_buffer",
@@ -369,6 +422,7 @@ class FinetuneConfig:
         for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
         self.dataset_sources = source_names(self.dataset)
+        self._check_text_column()
         for name in ("block_size", "eval_block_size"):
             value = getattr(self, name)
             if value is not None and not value >= 2:
@@ -386,6 +440,7 @@ class FinetuneConfig:
         if self.resume and self.overwrite:
             raise UserInputError("--resume and --overwrite contradict each other (continue or start over); pass one")
         self._check_optimisation()
+        self._check_hub()
         if self.long_eval:
             self.long_context_settings()
 
@@ -394,10 +449,16 @@ class FinetuneConfig:
         from hf_softmax_rnn.long_context.positions import buckets_from_edges
         from hf_softmax_rnn.long_context.report import LongContextSettings
 
+        lengths = tuple(length for length in self.long_eval_passkey if length != 0)
+        if 0 in self.long_eval_passkey and lengths:
+            raise UserInputError(
+                f"--long-eval-passkey {' '.join(map(str, self.long_eval_passkey))} mixes 0 (no passkey test) with "
+                "lengths; pass 0 alone or the lengths"
+            )
         return LongContextSettings(
             buckets=buckets_from_edges(self.long_eval_positions),
             sequences=self.long_eval_sequences,
-            passkey_lengths=tuple(length for length in self.long_eval_passkey if length != 0),
+            passkey_lengths=lengths,
             trials=self.long_eval_trials,
         )
 
@@ -408,16 +469,60 @@ class FinetuneConfig:
         if self.retrieval_layers:
             check_retrieval_budget(self.attention_spec, self.retrieval_kept)
 
+    def _check_lora(self) -> None:
+        """The LoRA settings: with --finetune-method lora, their `LORA_DEFAULTS` where not given, then checked;
+        with full fine-tuning, which they do not apply to, refused when given (they stay None)."""
+        if self.finetune_method != "lora":
+            given = [name for name in LORA_DEFAULTS if getattr(self, name) is not None]
+            if given:
+                flag = _flag(given[0])
+                raise UserInputError(
+                    f"{flag} {getattr(self, given[0])!r} contradicts --finetune-method {self.finetune_method} "
+                    f"(LoRA settings apply to --finetune-method lora only); drop {flag} or use --finetune-method lora"
+                )
+            return
+        for name, value in LORA_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        _check_at_least("lora_rank", self.lora_rank)
+        _check_positive("lora_alpha", self.lora_alpha)
+        if not 0 <= self.lora_dropout < 1:
+            raise UserInputError(f"lora_dropout={self.lora_dropout!r} is not allowed; expected a number in [0, 1)")
+
+    def _check_text_column(self) -> None:
+        """A --text-column other than the default needs a source with columns (a file or a Hub dataset)."""
+        if self.text_column != TEXT_COLUMN and set(self.dataset_sources) <= set(SOURCES_WITHOUT_COLUMNS):
+            raise UserInputError(
+                f"--text-column {self.text_column!r} does not apply to --dataset {self.dataset!r}: its sources "
+                f"({', '.join(self.dataset_sources)}) have only a {TEXT_COLUMN!r} column; drop --text-column, or "
+                "pass files or a Hub dataset with that column"
+            )
+
+    def _check_hub(self) -> None:
+        """--push-to-hub names a valid Hub repo id; --hub-private comes with it."""
+        if self.push_to_hub is None:
+            if self.hub_private:
+                raise UserInputError(
+                    "--hub-private without --push-to-hub: there is no Hub repo to make private; pass --push-to-hub "
+                    "REPO or drop --hub-private"
+                )
+            return
+        try:
+            validate_repo_id(self.push_to_hub)
+        except HFValidationError as error:
+            raise UserInputError(
+                f"--push-to-hub {self.push_to_hub!r} is not a Hub repo id ({error}); expected 'name' or "
+                "'owner/name' of letters, digits, '-', '_' and '.'"
+            ) from error
+
     def _check_optimisation(self) -> None:
-        for name in ("lr", "transfer_lr", "lora_alpha"):
+        for name in ("lr", "transfer_lr"):
             _check_positive(name, getattr(self, name))
         _check_at_least("weight_decay", self.weight_decay, minimum=0)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise UserInputError(
                 f"max_grad_norm={self.max_grad_norm!r} is not allowed; expected a number >= 0 (0: no clipping)"
             )
-        if not 0 <= self.lora_dropout < 1:
-            raise UserInputError(f"lora_dropout={self.lora_dropout!r} is not allowed; expected a number in [0, 1)")
 
     def check_device(self, device_type: str) -> None:
         """Refuse settings the training device cannot honour (Accelerate ignores fp16 on CPU without a word)."""
@@ -447,12 +552,19 @@ class FinetuneConfig:
         return cls(**{name: value for name, value in vars(namespace).items() if name in names})
 
     def resume_conflicts(self, saved: dict[str, Any]) -> list[str]:
-        """Settings that differ from a checkpoint's and would change the trained weights."""
+        """Settings that differ from a checkpoint's and would change the trained weights (a local --model or
+        dataset path compares resolved: `SAME_SETTING`; LoRA settings do not matter to full fine-tuning)."""
         current = self.to_dict()
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        ignored = RESUMABLE_CHANGES | (set(LORA_DEFAULTS) if self.finetune_method != "lora" else set())
         return [
             f"{name}: checkpoint {saved.get(name)!r}, now {current[name]!r}"
             for name in sorted(current)
-            if name not in RESUMABLE_CHANGES
-            and json.loads(json.dumps(current[name])) != saved.get(name, defaults[name])
+            if name not in ignored
+            and not SAME_SETTING.get(name, operator.eq)(saved.get(name, defaults[name]), _as_json(current[name]))
         ]
+
+
+def _as_json(value: Any) -> Any:
+    """`value` as it reads back from a checkpoint's JSON (tuples as lists)."""
+    return json.loads(json.dumps(value))

@@ -1,9 +1,12 @@
 """The output folder of a fine-tuning run: checked before anything is written, then claimed.
 
 A run writes into a folder that is new or empty, or that holds a run of this package (marked by
-`MARKER_FILE`): one that has checkpoints only with --resume (continue) or --overwrite (start
-over), a finished one with --resume (write and push its outputs again) or --overwrite. A folder
-holding other files, or that is, contains or lies inside the --model folder, needs --overwrite.
+`MARKER_FILE`, written before anything else, so every folder a run wrote into carries it): one that
+has checkpoints only with --resume (continue) or --overwrite (start over), a finished one with
+--resume (write and push its outputs again) or --overwrite. A folder holding other files (a
+`checkpoints/` folder of another tool included), or that is, contains or lies inside the --model
+folder, needs --overwrite; --overwrite then deletes none of its files (only a marked run folder has a
+previous run to clear), the run writes its own beside them.
 While the run lasts it holds an exclusive `fcntl.flock` on `LOCK_FILE`, so a second run into the
 same folder stops at once with a message naming the first.
 """
@@ -99,7 +102,7 @@ def _check_contents(directory: Path, config: FinetuneConfig) -> None:
     if not contents or config.overwrite:
         return
     marker = read_marker(directory)
-    if marker is None and not (directory / CHECKPOINTS_DIR).is_dir():
+    if marker is None:
         shown = ", ".join(contents[:5]) + (", ..." if len(contents) > 5 else "")
         raise UserInputError(
             f"--output-dir {str(directory)!r} holds files that are not from a hf-softmax-rnn run ({shown}); choose a "
@@ -193,10 +196,10 @@ def _claim(config: FinetuneConfig) -> IO:
     directory = Path(config.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     handle = _lock(directory)
-    is_run_folder = read_marker(directory) is not None or (directory / CHECKPOINTS_DIR).is_dir()
-    if config.overwrite and is_run_folder:
-        _clear_previous_run(directory)
-    remove_incomplete(directory)
+    if read_marker(directory) is not None:  # only a run folder holds what a previous run left
+        if config.overwrite:
+            _clear_previous_run(directory)
+        remove_incomplete(directory)
     _write_marker(directory, finished=False)
     return handle
 

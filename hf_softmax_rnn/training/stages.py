@@ -210,13 +210,14 @@ def finetune_stage(
     def setup_full(model: nn.Module) -> nn.Module:
         return model.requires_grad_(True)
 
+    def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
+        in_full = ", rnn_params in full" if with_rnn_params else ""
+        return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
+
     setups = {"lora": setup_lora, "full": setup_full}
-    lora = f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}" + (
-        ", rnn_params in full" if with_rnn_params else ""
-    )
     losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
     words, loss = losses[config.finetune_loss]
-    trains = f"{ {'lora': lora, 'full': 'all parameters'}[config.finetune_method] } ({words})"
+    trains = f"{ {'lora': lora_words, 'full': lambda: 'all parameters'}[config.finetune_method]() } ({words})"
     return Stage(
         "finetune",
         config.finetune_steps,

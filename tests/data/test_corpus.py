@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from transformers import AutoTokenizer  # noqa: F401  (import check only)
 
@@ -78,4 +80,38 @@ def test_a_folder_names_the_bad_file(tmp_path):
     (tmp_path / "good.txt").write_text("a line of text\n" * 5)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UserInputError, match=r"Dataset file '.*empty\.txt' is empty"):
+        load_corpus(str(tmp_path))
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": rows}), path)
+
+
+NULL_TEXTS = {
+    "jsonl-null": ("data.jsonl", '{"body": "a b"}\n{"body": null}\n{"body": "c"}\n{"body": null}\n', 1, 2),
+    "csv-empty-cell": ("data.csv", "body,id\nhello,1\nworld,2\n,3\n", 2, 1),
+    "parquet-null": ("data.parquet", ["x", "y", "z", None], 3, 1),
+}
+
+
+@pytest.mark.parametrize("name,content,row,count", NULL_TEXTS.values(), ids=NULL_TEXTS.keys())
+def test_a_text_column_with_nulls_is_refused_naming_file_column_and_row(tmp_path, name, content, row, count):
+    path = tmp_path / name
+    _write_parquet(path, content) if name.endswith(".parquet") else path.write_text(content)
+    message = (
+        rf"Dataset '{re.escape(str(path))}': column 'body' holds a null \(None\) instead of text at row {row} of "
+        rf"its train split \(counting from 0; {count} such rows?\); expected a string in every row"
+    )
+    with pytest.raises(UserInputError, match=message):
+        load_corpus(str(path), text_column="body")
+
+
+def test_a_null_in_a_folder_of_files_counts_rows_across_them(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n' * 3)
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n{"text": null}\n')
+    with pytest.raises(UserInputError, match=r"at row 4 of its train split \(counting from 0 across its 2 files in "
+                       r"sorted order; 1 such row\)"):  # fmt: skip
         load_corpus(str(tmp_path))

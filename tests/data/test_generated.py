@@ -1,8 +1,10 @@
+import copy
 import json
 
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
+from transformers import PreTrainedTokenizerFast
 
 from hf_softmax_rnn.data import generated
 from hf_softmax_rnn.data.corpus import join_corpora, source_names
@@ -92,3 +94,41 @@ def test_join_trains_on_all_and_holds_out_the_first():
     joined = join_corpora([corpus("a"), corpus("b")])
     assert list(joined["train"]["text"]) == ["a0", "a1", "a2", "b0", "b1", "b2"]
     assert list(joined["test"]["text"]) == ["a-test"]
+
+
+def _bare(tokenizer, **special_tokens) -> PreTrainedTokenizerFast:
+    """`tokenizer` without its eos token (and no pad token unless given)."""
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="<unk>", **special_tokens)
+
+
+#: Prompts of different lengths in one batch: the shorter ones are padded on the left.
+UNEVEN = GenerationSettings(num_texts=4, max_new_tokens=6, batch_size=4)
+
+
+def test_a_tokenizer_without_eos_or_pad_writes_the_texts_the_model_stops_on_its_own_eos(tiny):
+    model, tokenizer = tiny
+    bare = _bare(tokenizer)
+    assert (bare.eos_token_id, bare.pad_token_id, model.generation_config.eos_token_id) == (None, None, 1)
+    assert len({len(bare(p)["input_ids"]) for p in prompts(UNEVEN.num_texts, UNEVEN.seed)}) > 1
+    texts = generated.generate_texts(model, bare, UNEVEN, progress=False)
+    assert texts == generated.generate_texts(model, tokenizer, UNEVEN, progress=False)  # cut at the model's eos
+    assert not any("<eos>" in text for text in texts)
+
+
+def test_without_any_eos_or_pad_the_padding_is_masked_and_every_text_runs_to_its_length(tiny):
+    model, tokenizer = tiny
+    endless = copy.deepcopy(model)
+    endless.generation_config.eos_token_id = None
+    texts = generated.generate_texts(endless, _bare(tokenizer), UNEVEN, progress=False)
+    padded_otherwise = _bare(tokenizer, pad_token="<eos>")  # id 1 instead of 0; in no prompt, stops nothing here
+    assert padded_otherwise.pad_token_id == 1
+    assert texts == generated.generate_texts(endless, padded_otherwise, UNEVEN, progress=False)
+    assert len(texts) == UNEVEN.num_texts and all(texts)
+
+
+@pytest.mark.parametrize("count,held_out", [(3, 1), (16, 1), (33, 2)], ids=["fewer-than-16", "16", "33"])
+def test_a_few_generated_texts_still_hold_one_out(tiny, count, held_out):
+    model, tokenizer = tiny
+    settings = GenerationSettings(num_texts=count, max_new_tokens=2, batch_size=64)
+    corpus = generated_corpus(model, tokenizer, settings, progress=False)
+    assert (len(corpus["train"]), len(corpus["test"])) == (count - held_out, held_out)

@@ -1,5 +1,6 @@
 """Bad inputs stop a run before any training, with a message naming the bad value."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -143,6 +144,36 @@ BAD_SETTINGS = {
         dict(resume=True, overwrite=True),
         r"--resume and --overwrite contradict each other .*; pass one",
     ),
+    "push-to-hub-not-a-repo-id": (
+        dict(push_to_hub="not a repo name!!"),
+        r"--push-to-hub 'not a repo name!!' is not a Hub repo id .*; expected 'name' or 'owner/name'",
+    ),
+    "push-to-hub-three-parts": (
+        dict(push_to_hub="a/b/c"),
+        r"--push-to-hub 'a/b/c' is not a Hub repo id .*; expected 'name' or 'owner/name'",
+    ),
+    "lora-rank-with-full": (
+        dict(finetune_method="full", lora_rank=8),
+        r"--lora-rank 8 contradicts --finetune-method full .*; drop --lora-rank or use --finetune-method lora",
+    ),
+    "lora-alpha-with-full": (dict(finetune_method="full", lora_alpha=32.0), r"--lora-alpha 32\.0 contradicts"),
+    "lora-dropout-with-full": (dict(finetune_method="full", lora_dropout=0.1), r"--lora-dropout 0\.1 contradicts"),
+    "lora-targets-with-full": (
+        dict(finetune_method="full", lora_targets=["q_proj"]),
+        r"--lora-targets \['q_proj'\] contradicts --finetune-method full",
+    ),
+    "hub-private-without-push-to-hub": (
+        dict(hub_private=True),
+        r"--hub-private without --push-to-hub: there is no Hub repo to make private; pass --push-to-hub REPO",
+    ),
+    "text-column-for-pydoc": (
+        dict(dataset="pydoc", text_column="body"),
+        r"--text-column 'body' does not apply to --dataset 'pydoc': .* only a 'text' column; drop --text-column",
+    ),
+    "text-column-for-generated": (
+        dict(dataset="pydoc+generated", text_column="body"),
+        r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
+    ),
 }
 
 
@@ -150,6 +181,29 @@ BAD_SETTINGS = {
 def test_bad_settings_are_refused(tmp_path, settings, message):
     with pytest.raises(UserInputError, match=message):
         FinetuneConfig(output_dir=str(tmp_path), **settings)
+
+
+def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(tmp_path):
+    lora = FinetuneConfig(output_dir=str(tmp_path))
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets) == (8, 16.0, 0.0, None)
+    full = FinetuneConfig(output_dir=str(tmp_path), finetune_method="full")
+    assert (full.lora_rank, full.lora_alpha, full.lora_dropout, full.lora_targets) == (None, None, None, None)
+    assert dataclasses.replace(full, resume=True).lora_rank is None  # a config rebuilt from its fields stays valid
+    assert dataclasses.replace(lora, resume=True).lora_rank == 8
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(dataset="pydoc", text_column="text"),
+        dict(dataset="pydoc+data.jsonl", text_column="body"),
+        dict(push_to_hub="someone/model", hub_private=True),
+        dict(push_to_hub="model-name_1.0"),
+    ],
+    ids=["pydoc-text-column", "file-source-reads-the-column", "private-push", "repo-without-owner"],
+)
+def test_consistent_settings_are_accepted(tmp_path, settings):
+    FinetuneConfig(output_dir=str(tmp_path), **settings)
 
 
 def test_spec_file_that_is_not_json_is_refused(tmp_path):

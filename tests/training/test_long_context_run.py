@@ -89,8 +89,17 @@ def test_no_long_eval_fidelity_measures_no_agreement_and_keeps_no_original(tiny_
         ({"long_eval_positions": [0, 32, 128]}, "bucket end=128 is more than the model's 64 positions"),
         ({"long_eval_positions": [0, 64, 32]}, r"bucket edges \[0, 64, 32\] are not allowed"),
         ({"long_eval_sequences": 9}, "fewer than the 9 asked for"),
+        ({"long_eval_passkey": [0, 32]}, "--long-eval-passkey 0 32 mixes 0 \\(no passkey test\\) with lengths"),
+        ({"long_eval_positions": [0, 1, 32]}, "bucket \\(0, 1\\) holds no scored position"),
     ],
-    ids=["passkey-beyond-positions", "bucket-beyond-positions", "unsorted-edges", "too-little-text"],
+    ids=[
+        "passkey-beyond-positions",
+        "bucket-beyond-positions",
+        "unsorted-edges",
+        "too-little-text",
+        "passkey-0-with-lengths",
+        "bucket-of-position-0-alone",
+    ],
 )
 def test_bad_long_eval_settings_are_refused_before_the_run_writes(tiny_models, tmp_path, books, overrides, message):
     out = tmp_path / "out"

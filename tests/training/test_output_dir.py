@@ -83,3 +83,50 @@ def test_cli_refuses_a_foreign_folder_before_writing(tiny_models, tmp_path, caps
         capsys.readouterr().err,
     )
     assert sorted(p.name for p in out.iterdir()) == [".env"]
+
+
+def _files(folder) -> dict[str, str]:
+    """Every file under `folder` (relative path: content)."""
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _folder_of_another_tool(out):
+    """What a Lightning-style project folder looks like: a checkpoints/ folder beside the user's notes."""
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "epoch=3.ckpt").write_text("lightning")
+    (out / "README.md").write_text("# my notes")
+    (out / "results.json").write_text('{"mine": true}')
+
+
+def test_an_unmarked_folder_with_a_checkpoints_folder_is_not_taken_for_a_run(tiny_models, tmp_path, capsys):
+    out = tmp_path / "project"
+    _folder_of_another_tool(out)
+    before = _files(out)
+    argv = ["finetune", "--output-dir", str(out), "--model", tiny_models["llama"], "--no-progress"]
+    for extra in ([], ["--resume"]):
+        assert main([*argv, *extra]) == 2
+        error = capsys.readouterr().err
+        assert re.search(
+            r"error: --output-dir '.*project' holds files that are not from a hf-softmax-rnn run "
+            r"\(README\.md, checkpoints, results\.json\); .* pass --overwrite",
+            error,
+        ), error
+        assert _files(out) == before
+
+
+def test_overwrite_of_an_unmarked_folder_deletes_none_of_its_files(tiny_models, tmp_path):
+    out = tmp_path / "project"
+    _folder_of_another_tool(out)
+    finetune(tiny_config(tiny_models["llama"], out, overwrite=True, **SHORT))
+    assert (out / "checkpoints" / "epoch=3.ckpt").read_text() == "lightning"
+    assert (out / "model.safetensors").is_file() and checkpoint_dirs(out)
+    assert read_marker(out)["finished"] is True
+
+
+def test_a_marked_run_folder_resumes_and_is_replaced_by_overwrite(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    finetune(tiny_config(tiny_models["llama"], out, **SHORT))
+    check_output_dir(tiny_config(tiny_models["llama"], out, resume=True, **SHORT))
+    (out / "checkpoints" / "stale").write_text("from the first run")
+    finetune(tiny_config(tiny_models["llama"], out, overwrite=True, **SHORT))
+    assert not (out / "checkpoints" / "stale").exists()

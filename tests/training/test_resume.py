@@ -5,11 +5,12 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training import FinetuneConfig, finetune
 from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
 from hf_softmax_rnn.training.metrics import read_metrics
 from tests.training.helpers import tiny_config, weights
@@ -95,3 +96,57 @@ def test_existing_checkpoints_need_resume(tiny_models, tmp_path):
     finetune(config)
     with pytest.raises(ValueError, match="already holds checkpoints .* pass --resume"):
         finetune(config)
+
+
+def test_resume_accepts_the_model_folder_spelt_another_way(tiny_models, tmp_path, monkeypatch):
+    model = Path(tiny_models["llama"])
+    config = tiny_config(str(model), tmp_path / "run", transfer_steps=2, finetune_steps=0)
+    finetune(config)
+    monkeypatch.chdir(model.parent)
+    finetune(dataclasses.replace(config, model=f"./{model.name}/", resume=True))
+
+
+def _saved_and_now(tmp_path, saved: str, now: str, **settings) -> list[str]:
+    """The conflicts of a config naming `now` with a checkpoint that named `saved` (paths under `tmp_path`)."""
+    config = FinetuneConfig(output_dir=str(tmp_path / "run"), model=now, **settings)
+    return config.resume_conflicts({**config.to_dict(), "model": saved, **{k: saved for k in settings}})
+
+
+@pytest.mark.parametrize(
+    "saved,now",
+    [
+        ("{tmp}/llama", "./llama/"),
+        ("{tmp}/llama", "llama"),
+        ("./llama", "{tmp}/../{tmp_name}/llama/"),
+        ("{tmp}/link", "{tmp}/llama"),
+    ],
+    ids=["relative-with-slash", "bare-name", "dotdot", "symlink"],
+)
+def test_a_local_model_folder_compares_resolved(tmp_path, monkeypatch, saved, now):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    spelled = [value.format(tmp=tmp_path, tmp_name=tmp_path.name) for value in (saved, now)]
+    assert _saved_and_now(tmp_path, *spelled) == []
+
+
+@pytest.mark.parametrize(
+    "saved,now",
+    [("{tmp}/llama", "{tmp}/gpt2"), ("Org/Model", "org/model"), ("default", "./default"), ("{tmp}/gone", "./gone")],
+    ids=["another-folder", "hub-ids-as-given", "the-embedded-model-is-no-folder", "a-folder-that-is-gone"],
+)
+def test_another_model_still_conflicts(tmp_path, monkeypatch, saved, now):
+    for name in ("llama", "gpt2", "default"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path)
+    saved, now = (value.format(tmp=tmp_path) for value in (saved, now))
+    assert _saved_and_now(tmp_path, saved, now) == [f"model: checkpoint {saved!r}, now {now!r}"]
+
+
+def test_a_local_dataset_file_compares_resolved(tmp_path, monkeypatch):
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    monkeypatch.chdir(tmp_path)
+    config = FinetuneConfig(output_dir=str(tmp_path / "run"), dataset="pydoc+./data.jsonl")
+    saved = config.to_dict()
+    assert config.resume_conflicts({**saved, "dataset": f"pydoc+{tmp_path}/data.jsonl"}) == []
+    assert config.resume_conflicts({**saved, "dataset": f"{tmp_path}/data.jsonl"})  # other sources
