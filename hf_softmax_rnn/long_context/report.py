@@ -82,16 +82,7 @@ class LongContextSettings:
 
     def evaluate(self, model, tokenizer, texts: Sequence[str], *, progress: bool = True) -> dict:
         """{"positions": `position_perplexity`, "passkey": `passkey_retrieval` or None} of one model."""
-        positions = position_perplexity(
-            model,
-            tokenizer,
-            texts,
-            self.buckets,
-            num_sequences=self.sequences,
-            join=self.join,
-            progress=progress,
-            past_max_positions=self.past_max_positions,
-        )
+        positions = position_perplexity(model, tokenizer, texts, **self._sequences(), progress=progress)
         passkey = None
         if self.passkey_lengths:
             passkey = passkey_retrieval(
@@ -110,17 +101,16 @@ class LongContextSettings:
 
     def fidelity(self, model, reference, tokenizer, texts: Sequence[str], *, progress: bool = True) -> dict:
         """`position_fidelity` of `model` against `reference` on the sequences of the position buckets."""
-        return position_fidelity(
-            model,
-            reference,
-            tokenizer,
-            texts,
-            self.buckets,
-            num_sequences=self.sequences,
-            join=self.join,
-            progress=progress,
-            past_max_positions=self.past_max_positions,
-        )
+        return position_fidelity(model, reference, tokenizer, texts, **self._sequences(), progress=progress)
+
+    def _sequences(self) -> dict:
+        """The arguments that pick the scored sequences and buckets, shared by perplexity and agreement."""
+        return {
+            "buckets": self.buckets,
+            "num_sequences": self.sequences,
+            "join": self.join,
+            "past_max_positions": self.past_max_positions,
+        }
 
 
 def _bucket_label(bucket: dict) -> str:
