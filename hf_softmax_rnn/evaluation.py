@@ -49,11 +49,13 @@ def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> Non
         raise ValueError(f"{name}={value} is not allowed; expected an int >= {minimum}")
 
 
-def check_window(*, max_length: int | None = None, stride: int | None = None, batch_size: int = 1) -> None:
-    """Refuse window settings that are not ints in range (None: the default, known once there is a model),
-    before anything is loaded or scored."""
-    _check_int("max_length", max_length, 2, optional=True)
-    _check_int("stride", stride, 1, optional=True)
+def check_window(
+    *, max_length: int | None = None, stride: int | None = None, batch_size: int = 1, optional: bool = True
+) -> None:
+    """Refuse window settings that are not ints in range (with `optional`, None: the default, known once
+    there is a model), before anything is loaded or scored."""
+    _check_int("max_length", max_length, 2, optional=optional)
+    _check_int("stride", stride, 1, optional=optional)
     _check_int("batch_size", batch_size, 1)
     if max_length is not None and stride is not None and stride > max_length - 1:
         raise ValueError(
@@ -70,10 +72,7 @@ def sliding_windows(num_tokens: int, max_length: int, stride: int) -> list[Windo
     """
     if num_tokens < 2:
         raise ValueError(f"num_tokens={num_tokens} is too short to score; expected at least 2 tokens")
-    for name, value in (("max_length", max_length), ("stride", stride)):
-        if value is None:
-            raise TypeError(f"{name}=None is not allowed; expected an int")
-    check_window(max_length=max_length, stride=stride)
+    check_window(max_length=max_length, stride=stride, optional=False)
     windows, scored_until = [], 1
     for begin in range(0, num_tokens, stride):
         end = min(begin + max_length, num_tokens)

@@ -19,14 +19,10 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.positions import (
     DEFAULT_BUCKETS,
     bucket_values,
-    check_buckets,
-    check_count,
-    check_scoring_mode,
-    eval_sequences,
+    checked_sequences,
     logit_slices,
     mean_and_stderr,
     scoring,
@@ -57,10 +53,10 @@ def token_divergence(
         logit_slices(model, input_ids.to(next(model.parameters()).device), slice_size),
         logit_slices(reference, input_ids.to(next(reference.parameters()).device), slice_size),
     ):
-        log_p = torch.log_softmax(reference_logits.double().cpu(), dim=-1)
-        log_q = torch.log_softmax(logits.double().cpu(), dim=-1)
-        divergences.append((log_p.exp() * (log_p - log_q)).sum(-1))
-        agreements.append(log_p.argmax(-1) == log_q.argmax(-1))
+        log_q = torch.log_softmax(logits.double(), dim=-1)
+        log_p = torch.log_softmax(reference_logits.to(log_q.device).double(), dim=-1)
+        divergences.append((log_p.exp() * (log_p - log_q)).sum(-1).cpu())
+        agreements.append((log_p.argmax(-1) == log_q.argmax(-1)).cpu())
     return torch.cat(divergences, dim=1), torch.cat(agreements, dim=1)
 
 
@@ -87,14 +83,18 @@ def position_fidelity(
     KL(reference || model) in nats, `top1_agreement` the fraction of positions where both models'
     most likely next token is the same.
     """
-    buckets = check_buckets(buckets)
-    check_count("slice_size", slice_size)
-    check_scoring_mode(attention_mode)
-    length = buckets[-1][1]
-    for scored in (model, reference):
-        check_within_positions(scored, length, "bucket end", past_max_positions=past_max_positions)
+    buckets, sequences = checked_sequences(
+        [model, reference],
+        tokenizer,
+        texts,
+        buckets,
+        num_sequences=num_sequences,
+        join=join,
+        attention_mode=attention_mode,
+        slice_size=slice_size,
+        past_max_positions=past_max_positions,
+    )
     check_same_vocabulary(model, reference)
-    sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
     start = time.perf_counter()
     with scoring(model, attention_mode), scoring(reference, attention_mode):
         pairs = [
@@ -120,7 +120,7 @@ def position_fidelity(
     return {
         "buckets": rows,
         "sequences": len(sequences),
-        "sequence_length": length,
+        "sequence_length": sequences.shape[1],
         "tokens": sequences.numel(),
         "seconds": round(time.perf_counter() - start, 1),
     }

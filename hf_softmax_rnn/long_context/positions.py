@@ -93,6 +93,30 @@ def check_scoring_mode(mode: str | None) -> None:
         )
 
 
+def checked_sequences(
+    models: Sequence,
+    tokenizer,
+    texts: Sequence[str],
+    buckets: Sequence[Sequence[int]],
+    *,
+    num_sequences: int | None,
+    join: bool,
+    attention_mode: str | None,
+    slice_size: int,
+    past_max_positions: bool,
+) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+    """The arguments of a measure by position bucket checked against every model of `models`, before
+    any runs: the buckets as int pairs and the evaluation sequences `[N, L]` (`eval_sequences`; L: the
+    end of the last bucket)."""
+    buckets = check_buckets(buckets)
+    check_count("slice_size", slice_size)
+    check_scoring_mode(attention_mode)
+    length = buckets[-1][1]
+    for model in models:
+        check_within_positions(model, length, "bucket end", past_max_positions=past_max_positions)
+    return buckets, eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
+
+
 def eval_sequences(
     tokenizer, texts: Sequence[str], length: int, *, num_sequences: int | None = None, join: bool = False
 ) -> torch.Tensor:
@@ -250,12 +274,17 @@ def position_perplexity(
     is that of the mean over tokens taken as independent (neighbouring tokens are not, so it is a
     lower bound).
     """
-    buckets = check_buckets(buckets)
-    check_count("slice_size", slice_size)
-    check_scoring_mode(attention_mode)
-    length = buckets[-1][1]
-    check_within_positions(model, length, "bucket end", past_max_positions=past_max_positions)
-    sequences = eval_sequences(tokenizer, texts, length, num_sequences=num_sequences, join=join)
+    buckets, sequences = checked_sequences(
+        [model],
+        tokenizer,
+        texts,
+        buckets,
+        num_sequences=num_sequences,
+        join=join,
+        attention_mode=attention_mode,
+        slice_size=slice_size,
+        past_max_positions=past_max_positions,
+    )
     device = next(model.parameters()).device
     start = time.perf_counter()
     with scoring(model, attention_mode):
@@ -268,7 +297,7 @@ def position_perplexity(
     return {
         "buckets": bucket_statistics(nll, buckets),
         "sequences": len(sequences),
-        "sequence_length": length,
+        "sequence_length": sequences.shape[1],
         "max_positions": max_positions(model),
         "tokens": sequences.numel(),
         "seconds": round(time.perf_counter() - start, 1),
