@@ -142,6 +142,8 @@ def _same_dataset(saved: Any, current: Any) -> bool:
     return len(then) == len(now) and all(_same_place(*pair, SOURCES_WITHOUT_COLUMNS) for pair in zip(then, now))
 
 
+#: Settings a checkpoint's record may lack, with the setting whose value its run used for them.
+SET_AS_BEFORE = {"rnn_lr": "lr"}
 #: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
 SAME_SETTING = {"model": _same_model, "dataset": _same_dataset}
 
@@ -151,7 +153,12 @@ SAME_SETTING = {"model": _same_model, "dataset": _same_dataset}
 BLOCK_SIZE = HELDOUT_BLOCK_SIZE = 1024
 #: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
 DEFAULT_SCHEDULE = dict(
-    transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm", block_size=BLOCK_SIZE
+    transfer_steps=100,
+    transfer_lr=1e-3,
+    finetune_steps=200,
+    lr=2e-4,
+    finetune_loss="lm",
+    block_size=BLOCK_SIZE,
 )
 #: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
@@ -310,6 +317,13 @@ class FinetuneConfig:
         **_RECIPE,
     )
     lr: float | None = option(None, "peak learning rate", group=_FINETUNE, **_RECIPE)
+    rnn_lr: float | None = option(
+        None,
+        "peak learning rate of the converted layers' own parameters (rnn_params: feature maps, decay, gates, "
+        "normaliser weights), trained in full beside the LoRA adapters or the other weights",
+        group=_FINETUNE,
+        **{SHOWN_DEFAULT: "the recipe's where it has one and --lr is not given, else --lr"},
+    )
     lora_rank: int | None = option(None, "LoRA rank r", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_rank"]})
     lora_alpha: float | None = option(
         None, "LoRA alpha (scale alpha / r)", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_alpha"]}
@@ -392,9 +406,14 @@ class FinetuneConfig:
         self.blocks_from_recipe = ("block_size",) if self.block_size is None else ()
         if self.blocks_from_recipe and self.eval_block_size is None:
             self.blocks_from_recipe += ("eval_block_size",)
-        for name, value in recipe_defaults(self.attention_spec).items():
+        recipe = recipe_defaults(self.attention_spec)
+        if self.lr is not None:  # a learning rate of the user's: the recipe's rnn_lr goes with its lr
+            recipe.pop("rnn_lr", None)
+        for name, value in recipe.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.rnn_lr is None:
+            self.rnn_lr = self.lr
         if "eval_block_size" in self.blocks_from_recipe:
             self.eval_block_size = min(self.block_size, HELDOUT_BLOCK_SIZE)
         _check_choice("finetune_method", self.finetune_method, FINETUNE_METHODS)
@@ -516,7 +535,7 @@ class FinetuneConfig:
             ) from error
 
     def _check_optimisation(self) -> None:
-        for name in ("lr", "transfer_lr"):
+        for name in ("lr", "rnn_lr", "transfer_lr"):
             _check_positive(name, getattr(self, name))
         _check_at_least("weight_decay", self.weight_decay, minimum=0)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
@@ -555,6 +574,8 @@ class FinetuneConfig:
         """Settings that differ from a checkpoint's and would change the trained weights (a local --model or
         dataset path compares resolved: `SAME_SETTING`; LoRA settings do not matter to full fine-tuning)."""
         current = self.to_dict()
+        backfilled = {name: saved[older] for name, older in SET_AS_BEFORE.items() if older in saved}
+        saved = backfilled | saved
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         ignored = RESUMABLE_CHANGES | (set(LORA_DEFAULTS) if self.finetune_method != "lora" else set())
         return [

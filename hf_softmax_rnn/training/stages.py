@@ -134,6 +134,14 @@ class Stage:
     loss: Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]
     teardown: Callable[[nn.Module], None] = lambda model: None
     may_leave_parameters_unused: bool = False
+    #: learning rate of the parameters inside the converted layers' `rnn_params` (None: `learning_rate`)
+    rnn_learning_rate: float | None = None
+
+    def learning_rates(self) -> str:
+        """The stage's learning rate in words, and that of rnn_params where it differs."""
+        if self.rnn_learning_rate in (None, self.learning_rate):
+            return f"learning rate ({self.learning_rate:g})"
+        return f"learning rates (lr {self.learning_rate:g}, rnn_lr {self.rnn_learning_rate:g})"
 
 
 def _lm_loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -211,7 +219,8 @@ def finetune_stage(
         return model.requires_grad_(True)
 
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
-        in_full = ", rnn_params in full" if with_rnn_params else ""
+        rnn_lr = f" at lr {config.rnn_lr:g}" if config.rnn_lr != config.lr else ""
+        in_full = f", rnn_params in full{rnn_lr}" if with_rnn_params else ""
         return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
 
     setups = {"lora": setup_lora, "full": setup_full}
@@ -225,6 +234,7 @@ def finetune_stage(
         trains,
         setups[config.finetune_method],
         loss or _distill_loss(teacher),
+        rnn_learning_rate=config.rnn_lr if with_rnn_params else None,
     )
 
 

@@ -61,7 +61,7 @@ from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION,
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
-from hf_softmax_rnn.training.stages import Stage, build_stages, heldout_layer_mse, lora_targets
+from hf_softmax_rnn.training.stages import RNN_PARAMS, Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,12 @@ def heldout_metrics(
 
 
 #: How a divergence message names a logged value.
-_VALUE_NAMES = {"grad_norm": "gradient norm", "eval_loss": "held-out loss", "lr": "learning rate"}
+_VALUE_NAMES = {
+    "grad_norm": "gradient norm",
+    "eval_loss": "held-out loss",
+    "lr": "learning rate",
+    "rnn_lr": "rnn_params learning rate",
+}
 
 
 def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
@@ -382,7 +387,8 @@ class Finetuner:
         trainable = stage.setup(model)
         count = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
         logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")
-        optimizer = torch.optim.AdamW(weight_decay_groups(trainable, config.weight_decay), lr=stage.learning_rate)
+        groups = weight_decay_groups(trainable, config.weight_decay, own_lr=stage.rnn_learning_rate)
+        optimizer = torch.optim.AdamW(groups, lr=stage.learning_rate)
         scheduler = get_scheduler(
             config.lr_scheduler,
             optimizer,
@@ -447,9 +453,8 @@ class Finetuner:
         latest = latest_checkpoint(self.output_dir)
         kept = f"last good checkpoint: {latest.name}" if latest else "no checkpoint was saved"
         raise TrainingDivergedError(
-            f"Stage {stage.name}: training diverged at step {step} ({problem}); lower the learning rate "
-            f"({stage.learning_rate:g}) or --max-grad-norm and start a new run with --overwrite ({kept}; no model "
-            "was written)"
+            f"Stage {stage.name}: training diverged at step {step} ({problem}); lower the {stage.learning_rates()} "
+            f"or --max-grad-norm and start a new run with --overwrite ({kept}; no model was written)"
         )
 
     def _retrieval_layer_attention(self, train_texts) -> dict[int, AttentionSpec] | None:
@@ -502,6 +507,8 @@ class Finetuner:
         # max_norm inf (no clipping) still measures the norm, which `_stop_if_diverged` checks
         values = {"grad_norm": float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf))}
         values["lr"] = scheduler.get_last_lr()[0]
+        if stage.rnn_learning_rate not in (None, stage.learning_rate):
+            values["rnn_lr"] = next(g["lr"] for g in optimizer.param_groups if g.get("name") == RNN_PARAMS)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

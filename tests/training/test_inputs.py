@@ -109,6 +109,8 @@ BAD_SETTINGS = {
     "negative-lr": (dict(lr=-1e-3), r"lr=-0\.001 is not allowed; expected a number > 0"),
     "nan-lr": (dict(lr=float("nan")), r"lr=nan is not allowed; expected a number > 0"),
     "zero-transfer-lr": (dict(transfer_lr=0.0), r"transfer_lr=0\.0 is not allowed; expected a number > 0"),
+    "zero-rnn-lr": (dict(rnn_lr=0.0), r"rnn_lr=0\.0 is not allowed; expected a number > 0"),
+    "inf-rnn-lr": (dict(rnn_lr=float("inf")), r"rnn_lr=inf is not allowed; expected a number > 0"),
     "lora-dropout-one": (dict(lora_dropout=1.0), r"lora_dropout=1\.0 is not allowed; expected a number in \[0, 1\)"),
     "negative-lora-dropout": (
         dict(lora_dropout=-0.1),

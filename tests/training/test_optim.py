@@ -1,5 +1,8 @@
 """One weight-decay rule for every optimizer: the weights of linear and embedding layers only."""
 
+import json
+
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
@@ -46,6 +49,25 @@ def test_gpt2_conv1d_and_lora_matrices_are_decayed_frozen_weights_left_out(tiny_
     assert not any(name.endswith("bias") or "ln_" in name for name in full_names)
 
 
+def test_rnn_params_take_their_own_learning_rate_and_keep_the_decay_rule(tiny_models):
+    model = convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), "hedgehog_window_64_sinks_4_decay")
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["rnn_params"]))
+    groups = weight_decay_groups(model, 0.1, own_lr=5e-3)
+    in_groups = [id(p) for group in groups for p in group["params"]]
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert sorted(in_groups) == sorted(id(p) for p in trainable.values())  # each trainable parameter once
+    own = {id(p) for group in groups if group.get("lr") == 5e-3 for p in group["params"]}
+    own_names = {name for name, p in trainable.items() if id(p) in own}
+    expected = {name for name in trainable if ".rnn_params.modules_to_save." in name}
+    assert own_names == expected and any("hedgehog_q" in name for name in own_names)
+    assert any("decay_proj.weight" in name for name in own_names)
+    assert all("lr" not in group for group in groups if not set(map(id, group["params"])) <= own)
+    # the decay rule is the same with or without a learning rate of their own
+    assert decayed_names(model, groups) == decayed_names(model, weight_decay_groups(model, 0.1))
+    # LoRA's matrices are all decayed; rnn_params holds decayed gate weights and undecayed maps and biases
+    assert [(group.get("lr"), group["weight_decay"]) for group in groups] == [(None, 0.1), (5e-3, 0.1), (5e-3, 0.0)]
+
+
 def test_small_models_and_the_finetuner_use_the_rule(tiny_models, tmp_path, monkeypatch):
     model = small_llama("gated_softmax", vocab_size=40, hidden_size=16, num_heads=2, max_position_embeddings=10)
     optimizer, _ = optimizer_and_schedule(model, lr=1e-3, weight_decay=0.1, warmup_steps=1, steps=10)
@@ -77,3 +99,30 @@ def test_small_models_and_the_finetuner_use_the_rule(tiny_models, tmp_path, monk
     # the RMSNorm weight of the converted attention is a matrix [heads, head_dim], and not decayed
     norm = "model.layers.0.self_attn.rnn_params.norm_weight"
     assert model.get_parameter(norm).dim() == 2 and norm not in names
+
+
+@pytest.mark.parametrize("rnn_lr", [None, 3e-2], ids=["rnn-lr-as-lr", "rnn-lr-own"])
+def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_models, tmp_path, rnn_lr):
+    """Adam's first step moves each parameter by its learning rate (times sign of the gradient, up
+    to eps), so the largest move of the hedgehog maps is the rnn_params learning rate."""
+    config = tiny_config(
+        tiny_models["llama"],
+        tmp_path / "out",
+        attention="linear_hedgehog",
+        transfer_steps=0,
+        finetune_steps=1,
+        finetune_loss="lm",
+        lr=1e-3,
+        rnn_lr=rnn_lr,
+        max_grad_norm=0.0,
+    )
+    assert config.rnn_lr == (rnn_lr or 1e-3)
+    finetuner = Finetuner(config)
+    finetuner.run()
+    maps = [p for name, p in finetuner.converted.named_parameters() if name.endswith("hedgehog_q")]
+    eye = torch.eye(maps[0].shape[1], maps[0].shape[2])
+    moved = max((p.detach() - eye).abs().max().item() for p in maps)
+    assert moved == pytest.approx(config.rnn_lr, rel=1e-2)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [row for row in rows if row["stage"] == "finetune" and "loss" in row]
+    assert step["lr"] == 1e-3 and step.get("rnn_lr") == rnn_lr  # logged where it differs from lr

@@ -91,6 +91,14 @@ def test_resume_refuses_changed_settings(tiny_models, tmp_path):
         finetune(dataclasses.replace(config, resume=True, lr=0.5))
 
 
+@pytest.mark.parametrize("rnn_lr", [None, 0.5], ids=["as-lr", "its-own"])
+def test_a_checkpoint_recorded_without_rnn_lr_trained_rnn_params_at_lr(tmp_path, rnn_lr):
+    config = FinetuneConfig(output_dir=str(tmp_path / "run"), lr=0.01, rnn_lr=rnn_lr)
+    recorded = {name: value for name, value in config.to_dict().items() if name != "rnn_lr"}
+    expected = [] if rnn_lr is None else ["rnn_lr: checkpoint 0.01, now 0.5"]
+    assert config.resume_conflicts(recorded) == expected
+
+
 def test_existing_checkpoints_need_resume(tiny_models, tmp_path):
     config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
     finetune(config)
