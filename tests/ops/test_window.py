@@ -95,6 +95,26 @@ def test_modes_match_the_formula(name, mode):
     torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_a_weight_of_minus_infinity_leaves_the_exact_part_alone(name, mode):
+    """lambda_h = -inf (`long_context.finite_state_off`): softmax over the window and the sinks, whatever the
+    state holds (the feature maps are drawn again: the output does not move)."""
+    spec = SPECS[name]
+    q, k, v, _ = make_inputs(length=9)
+    mask = left_padding_mask(2, 9, [0, 2])
+    outputs = []
+    for seed in (1, 2):
+        tensors = make_params(spec, seed=seed)
+        tensors["linear_log_scale"] = torch.full_like(tensors["linear_log_scale"], -torch.inf)
+        params = as_params(tensors)
+        got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, params=params)
+        want = naive_window_attention(q, k, v, spec, params, mask.bool(), 8**-0.5)
+        torch.testing.assert_close(got * mask[:, None, :, None], want, rtol=1e-9, atol=1e-10)
+        outputs.append(got)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
 def test_state_keeps_a_window_of_constant_size():
     spec = AttentionSpec(kind="linear", feature_map="elu", window=3, chunk_size=4)
     q, k, v, _ = make_inputs(length=11)
