@@ -153,12 +153,7 @@ SAME_SETTING = {"model": _same_model, "dataset": _same_dataset}
 BLOCK_SIZE = HELDOUT_BLOCK_SIZE = 1024
 #: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
 DEFAULT_SCHEDULE = dict(
-    transfer_steps=100,
-    transfer_lr=1e-3,
-    finetune_steps=200,
-    lr=2e-4,
-    finetune_loss="lm",
-    block_size=BLOCK_SIZE,
+    transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm", block_size=BLOCK_SIZE
 )
 #: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
@@ -322,7 +317,7 @@ class FinetuneConfig:
         "peak learning rate of the converted layers' own parameters (rnn_params: feature maps, decay, gates, "
         "normaliser weights), trained in full beside the LoRA adapters or the other weights",
         group=_FINETUNE,
-        **{SHOWN_DEFAULT: "the recipe's where it has one and --lr is not given, else --lr"},
+        **{SHOWN_DEFAULT: "--lr"},
     )
     lora_rank: int | None = option(None, "LoRA rank r", group=_FINETUNE, **{SHOWN_DEFAULT: LORA_DEFAULTS["lora_rank"]})
     lora_alpha: float | None = option(
@@ -406,10 +401,7 @@ class FinetuneConfig:
         self.blocks_from_recipe = ("block_size",) if self.block_size is None else ()
         if self.blocks_from_recipe and self.eval_block_size is None:
             self.blocks_from_recipe += ("eval_block_size",)
-        recipe = recipe_defaults(self.attention_spec)
-        if self.lr is not None:  # a learning rate of the user's: the recipe's rnn_lr goes with its lr
-            recipe.pop("rnn_lr", None)
-        for name, value in recipe.items():
+        for name, value in recipe_defaults(self.attention_spec).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.rnn_lr is None:

@@ -134,12 +134,13 @@ class Stage:
     loss: Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]
     teardown: Callable[[nn.Module], None] = lambda model: None
     may_leave_parameters_unused: bool = False
-    #: learning rate of the parameters inside the converted layers' `rnn_params` (None: `learning_rate`)
+    #: learning rate of the parameters inside the converted layers' `rnn_params` where it differs from
+    #: `learning_rate` (None: the same)
     rnn_learning_rate: float | None = None
 
     def learning_rates(self) -> str:
         """The stage's learning rate in words, and that of rnn_params where it differs."""
-        if self.rnn_learning_rate in (None, self.learning_rate):
+        if self.rnn_learning_rate is None:
             return f"learning rate ({self.learning_rate:g})"
         return f"learning rates (lr {self.learning_rate:g}, rnn_lr {self.rnn_learning_rate:g})"
 
@@ -234,7 +235,7 @@ def finetune_stage(
         trains,
         setups[config.finetune_method],
         loss or _distill_loss(teacher),
-        rnn_learning_rate=config.rnn_lr if with_rnn_params else None,
+        rnn_learning_rate=config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr else None,
     )
 
 

@@ -507,7 +507,7 @@ class Finetuner:
         # max_norm inf (no clipping) still measures the norm, which `_stop_if_diverged` checks
         values = {"grad_norm": float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf))}
         values["lr"] = scheduler.get_last_lr()[0]
-        if stage.rnn_learning_rate not in (None, stage.learning_rate):
+        if stage.rnn_learning_rate is not None:
             values["rnn_lr"] = next(g["lr"] for g in optimizer.param_groups if g.get("name") == RNN_PARAMS)
         optimizer.step()
         scheduler.step()

@@ -93,6 +93,7 @@ def test_small_models_and_the_finetuner_use_the_rule(tiny_models, tmp_path, monk
     finetuner.run()
     (groups,) = made
     assert {group["weight_decay"] for group in groups} == {0.2, 0.0}
+    assert all("name" not in group for group in groups)  # rnn_lr = lr: no groups of their own (checkpoints as before)
     model = finetuner.converted
     names = decayed_names(model, groups)
     assert names == decayed_names(model, weight_decay_groups(model, 0.2))
