@@ -310,6 +310,12 @@ class AttentionSpec:
             return 2 * (self.hedgehog_dim or head_dim)
         return head_dim
 
+    @property
+    def exact_positions(self) -> int:
+        """Keys a query scores exactly at most: the window (the query's own included), sinks and kept positions.
+        With a finite state, a sequence of L positions sends keys through it only when L exceeds this."""
+        return (self.window or 0) + (self.sinks or 0) + (self.kept or 0)
+
     def state_bytes(self, head_dim: int, value_dim: int | None = None, bytes_per_element: int = 4) -> int:
         """Bytes of the recurrent state of one KV head: S and z, plus the keys and values of the window, the
         sinks and the kept positions, and with kept positions one rank score per window and kept position
@@ -317,7 +323,7 @@ class AttentionSpec:
         position counter (int64), and with a window one flag (bool) per window position and the ring's
         start (int64), shared by its KV heads."""
         value_dim = head_dim if value_dim is None else value_dim
-        exact = ((self.window or 0) + (self.sinks or 0) + (self.kept or 0)) * (head_dim + value_dim + 1)
+        exact = self.exact_positions * (head_dim + value_dim + 1)
         scores = (self.window or 0) + self.kept + 1 if self.kept is not None else 0
         kept_bookkeeping = (self.kept or 0) * (_POSITION_BYTES + _FLAG_BYTES)
         return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element + kept_bookkeeping

@@ -34,7 +34,7 @@ from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, 
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
-from hf_softmax_rnn.layers import student_outputs
+from hf_softmax_rnn.layers import softmax_rnn_attention_modules, student_outputs
 from hf_softmax_rnn.long_context.extend import extend_context
 from hf_softmax_rnn.long_context.retrieval import (
     DEFAULT_LENGTH,
@@ -237,6 +237,7 @@ class Finetuner:
             len(self.eval_ids),
             self.accelerator.distributed_type.value,
         )
+        self._log_states_without_training()
 
     def _generated_corpus(self) -> DatasetDict:
         """The unconverted model's own texts (`data.generated`), written on the training device by the
@@ -456,6 +457,27 @@ class Finetuner:
             f"Stage {stage.name}: training diverged at step {step} ({problem}); lower the {stage.learning_rates()} "
             f"or --max-grad-norm and start a new run with --overwrite ({kept}; no model was written)"
         )
+
+    def _log_states_without_training(self) -> None:
+        """Name the converted layers whose exact part holds every key of a training block: their finite state
+        stays empty in training, so the parameters that only it uses (feature maps, decay) keep their values."""
+        block = self.config.block_size
+        layers = {
+            module.layer_idx: module.attention_spec.exact_positions
+            for module in softmax_rnn_attention_modules(self.converted)
+            if module.is_converted
+            and module.attention_spec.has_finite_state
+            and module.attention_spec.exact_positions >= block
+        }
+        if layers:
+            logger.info(
+                "Layers %s score every key of a %d-token training block exactly (window, sinks and kept positions: "
+                "%s): their finite state gets no training; blocks longer than %d tokens train it",
+                sorted(layers),
+                block,
+                " / ".join(map(str, sorted(set(layers.values())))),
+                min(layers.values()),
+            )
 
     def _retrieval_layer_attention(self, train_texts) -> dict[int, AttentionSpec] | None:
         """The wider kept budget of the `--retrieval-layers` layers, found on the unconverted model with

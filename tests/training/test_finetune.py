@@ -16,7 +16,7 @@ from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.long_context import extend_context
-from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training import Finetuner, finetune
 from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
 from hf_softmax_rnn.training.data import eval_blocks
 from hf_softmax_rnn.training.metrics import read_metrics
@@ -313,3 +313,26 @@ def test_finetune_with_bfloat16_mixed_precision_runs_attention_as_one_autocast_o
     records = read_metrics(out / "metrics.jsonl")
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("kept", "logged"), [(6, True), (5, False)], ids=["block-held-exactly", "block-overflows"])
+def test_layers_whose_exact_part_holds_a_training_block_are_named_and_their_state_stays_untrained(
+    tiny_models, tmp_path, caplog, kept, logged
+):
+    """Window 8 + 2 sinks + `kept` against 16-token blocks: with 16 exact positions no key of a block reaches
+    the finite state, so the feature maps get no gradient (and the run says so); with 15 they train."""
+    attention = dict(kind="linear", feature_map="hedgehog", window=8, sinks=2, kept=kept, chunk_size=4)
+    config = tiny_config(
+        tiny_models["llama"], tmp_path / "out", attention=attention, finetune_steps=1, transfer_steps=0, lr=1e-2
+    )
+    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.trainer"):
+        finetuner = Finetuner(config)
+        finetuner.run()
+    message = (
+        "Layers [0, 1] score every key of a 16-token training block exactly (window, sinks and kept positions: 16): "
+        "their finite state gets no training; blocks longer than 16 tokens train it"
+    )
+    assert (message in caplog.text) == logged
+    maps = [p for name, p in finetuner.converted.named_parameters() if name.endswith("hedgehog_q")]
+    moved = max((p.detach() - torch.eye(p.shape[1], p.shape[2])).abs().max().item() for p in maps)
+    assert (moved == 0) == logged
