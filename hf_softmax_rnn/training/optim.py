@@ -30,6 +30,7 @@ def weight_decay_groups(
         own = own_lr is not None and own_module in name.split(".")
         groups.setdefault((own, id(parameter) in decayed), []).append(parameter)
     own_settings = {"lr": own_lr, "name": own_module}
+    # the optimizer's own groups first, then own_module's; in each, the decayed group before the other
     return [
         {"params": params, "weight_decay": weight_decay if is_decayed else 0.0} | (own_settings if own else {})
         for (own, is_decayed), params in sorted(groups.items(), key=lambda item: (item[0][0], not item[0][1]))
