@@ -3,9 +3,10 @@
 A hybrid layer (a spec with a `window`) scores the last W positions, its sinks and its kept positions
 with the exact exp(q.k) and every older position through the finite state, weighted by e^{lambda_h}
 (`rnn_params.linear_log_scale`, one per query head). `finite_state_off` sets lambda_h to -inf for the
-duration of a `with` block: each query then reads only its exact keys, under the same normaliser, as
-sparse softmax attention over the window, the sinks and the kept positions. Scoring a model both
-ways on the same text tells how much its state carries (`evaluate --no-finite-state`).
+duration of a `with` block: each query then reads only its exact keys, under the same normaliser
+(with the softmax normaliser: sparse softmax attention over the window, the sinks and the kept
+positions). Scoring a model both ways on the same text tells how much its state carries
+(`evaluate --no-finite-state`).
 """
 
 from __future__ import annotations

@@ -198,6 +198,8 @@ def finetune_stage(
     """The stage-2 `Stage`; `teacher` (the unconverted model, frozen) is needed for `finetune_loss="distill"`."""
     if config.finetune_loss == "distill" and teacher is None:
         raise ValueError("finetune_loss='distill' needs the unconverted model as `teacher`")
+    rnn_lr = config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr else None
+    at_rnn_lr = "" if rnn_lr is None else f" at lr {rnn_lr:g}"
 
     def setup_lora(model: nn.Module) -> PeftModel:
         model.requires_grad_(False)
@@ -220,14 +222,14 @@ def finetune_stage(
         return model.requires_grad_(True)
 
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
-        rnn_lr = f" at lr {config.rnn_lr:g}" if config.rnn_lr != config.lr else ""
-        in_full = f", rnn_params in full{rnn_lr}" if with_rnn_params else ""
+        in_full = f", rnn_params in full{at_rnn_lr}" if with_rnn_params else ""
         return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
 
     setups = {"lora": setup_lora, "full": setup_full}
     losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
     words, loss = losses[config.finetune_loss]
-    trains = f"{ {'lora': lora_words, 'full': lambda: 'all parameters'}[config.finetune_method]() } ({words})"
+    full_words = f"all parameters{'' if rnn_lr is None else f', rnn_params{at_rnn_lr}'}"
+    trains = f"{ {'lora': lora_words, 'full': lambda: full_words}[config.finetune_method]() } ({words})"
     return Stage(
         "finetune",
         config.finetune_steps,
@@ -235,7 +237,7 @@ def finetune_stage(
         trains,
         setups[config.finetune_method],
         loss or _distill_loss(teacher),
-        rnn_learning_rate=config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr else None,
+        rnn_learning_rate=rnn_lr,
     )
 
 

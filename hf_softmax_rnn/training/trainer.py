@@ -388,7 +388,9 @@ class Finetuner:
         trainable = stage.setup(model)
         count = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
         logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")
-        groups = weight_decay_groups(trainable, config.weight_decay, own_lr=stage.rnn_learning_rate)
+        groups = weight_decay_groups(
+            trainable, config.weight_decay, own_lr=stage.rnn_learning_rate, own_module=RNN_PARAMS
+        )
         optimizer = torch.optim.AdamW(groups, lr=stage.learning_rate)
         scheduler = get_scheduler(
             config.lr_scheduler,

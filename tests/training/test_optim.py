@@ -127,3 +127,7 @@ def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_mo
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     (step,) = [row for row in rows if row["stage"] == "finetune" and "loss" in row]
     assert step["lr"] == 1e-3 and step.get("rnn_lr") == rnn_lr  # logged where it differs from lr
+    (stage,) = finetuner.stages
+    assert ("rnn_params in full at lr 0.03" in stage.trains) == (rnn_lr is not None)
+    named = "learning rate (0.001)" if rnn_lr is None else "learning rates (lr 0.001, rnn_lr 0.03)"
+    assert stage.learning_rates() == named  # as the divergence message names them
