@@ -29,7 +29,7 @@ from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
 #: a pretrained model back close to its perplexity (docs/finetuning.md, the recovery benchmark).
 DEFAULT_ATTENTION = "hedgehog_window_256_sinks_4_kept_256_decay"
-FINETUNE_METHODS = ("lora", "full")
+FINETUNE_METHODS = ("lora", "full", "rnn")
 #: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
 FINETUNE_LOSSES = ("lm", "distill")
 LR_SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
@@ -303,7 +303,14 @@ class FinetuneConfig:
     )
 
     finetune_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_FINETUNE, **_RECIPE)
-    finetune_method: str = option("lora", "LoRA adapters or all parameters", choices=FINETUNE_METHODS, group=_FINETUNE)
+    finetune_method: str = option(
+        "lora",
+        "LoRA adapters (with rnn_params in full), all parameters, or rnn_params alone (the converted layers' own: "
+        "feature maps, decay, gates; at --rnn-lr): the projections stay as converted, so the exact parts of a "
+        "hybrid (window, sinks, kept positions) score as the unconverted model does",
+        choices=FINETUNE_METHODS,
+        group=_FINETUNE,
+    )
     finetune_loss: str | None = option(
         None,
         "next-token cross-entropy, or KL divergence to the unconverted model's logits (distillation)",
@@ -315,7 +322,8 @@ class FinetuneConfig:
     rnn_lr: float | None = option(
         None,
         "peak learning rate of the converted layers' own parameters (rnn_params: feature maps, decay, gates, "
-        "normaliser weights), trained in full beside the LoRA adapters or the other weights",
+        "normaliser weights), trained in full beside the LoRA adapters or the other weights; with --finetune-method "
+        "rnn, the stage's one learning rate",
         group=_FINETUNE,
         **{SHOWN_DEFAULT: "--lr"},
     )
@@ -482,7 +490,7 @@ class FinetuneConfig:
 
     def _check_lora(self) -> None:
         """The LoRA settings: with --finetune-method lora, their `LORA_DEFAULTS` where not given, then checked;
-        with full fine-tuning, which they do not apply to, refused when given (they stay None)."""
+        with the other methods, which they do not apply to, refused when given (they stay None)."""
         if self.finetune_method != "lora":
             given = [name for name in LORA_DEFAULTS if getattr(self, name) is not None]
             if given:

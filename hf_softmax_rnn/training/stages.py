@@ -8,8 +8,10 @@
    Only the chosen submodules of the converted layers train (by default their `rnn_params`;
    a spec without learned parameters trains the query/key projections instead).
 2. "finetune": LoRA adapters from PEFT on the attention projections, with `rnn_params` as
-   fully trained `modules_to_save`, or full fine-tuning; on the LM loss, or distilled from the
-   unconverted model (KL divergence of the next-token distributions, every position).
+   fully trained `modules_to_save`; full fine-tuning; or the converted layers' `rnn_params` alone,
+   which leaves every exact score as the unconverted model computes it. On the LM loss, or
+   distilled from the unconverted model (KL divergence of the next-token distributions, every
+   position).
 """
 
 from __future__ import annotations
@@ -198,7 +200,13 @@ def finetune_stage(
     """The stage-2 `Stage`; `teacher` (the unconverted model, frozen) is needed for `finetune_loss="distill"`."""
     if config.finetune_loss == "distill" and teacher is None:
         raise ValueError("finetune_loss='distill' needs the unconverted model as `teacher`")
-    rnn_lr = config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr else None
+    if config.finetune_method == "rnn" and not with_rnn_params:
+        raise ValueError(
+            "--finetune-method rnn trains the converted layers' own parameters (rnn_params), and this attention has "
+            "none (no feature map, decay, gate or normaliser weights to learn); use --finetune-method lora or full"
+        )
+    only_rnn_params = config.finetune_method == "rnn"
+    rnn_lr = config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr and not only_rnn_params else None
     at_rnn_lr = "" if rnn_lr is None else f" at lr {rnn_lr:g}"
 
     def setup_lora(model: nn.Module) -> PeftModel:
@@ -221,19 +229,24 @@ def finetune_stage(
     def setup_full(model: nn.Module) -> nn.Module:
         return model.requires_grad_(True)
 
+    def setup_rnn(model: nn.Module) -> nn.Module:
+        _freeze_all_but(model, [module.rnn_params for module in softmax_rnn_attention_modules(model)])
+        return model
+
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
         in_full = f", rnn_params in full{at_rnn_lr}" if with_rnn_params else ""
         return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
 
-    setups = {"lora": setup_lora, "full": setup_full}
+    setups = {"lora": setup_lora, "full": setup_full, "rnn": setup_rnn}
     losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
     words, loss = losses[config.finetune_loss]
     full_words = f"all parameters{'' if rnn_lr is None else f', rnn_params{at_rnn_lr}'}"
-    trains = f"{ {'lora': lora_words, 'full': lambda: full_words}[config.finetune_method]() } ({words})"
+    method_words = {"lora": lora_words, "full": lambda: full_words, "rnn": lambda: "rnn_params of the converted layers"}
+    trains = f"{method_words[config.finetune_method]()} ({words})"
     return Stage(
         "finetune",
         config.finetune_steps,
-        config.lr,
+        config.rnn_lr if only_rnn_params else config.lr,
         trains,
         setups[config.finetune_method],
         loss or _distill_loss(teacher),

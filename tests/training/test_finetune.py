@@ -141,6 +141,13 @@ TRAINED_PARAMETERS = {
         r"\.attn\.c_attn\.",
     ),
     "lora-gpt2": ("gpt2", "gated_softmax", dict(transfer_steps=0), r"\.attn\.(c_attn|c_proj)\.|\.rnn_params\."),
+    "rnn-method-llama": (
+        "llama",
+        dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True),
+        dict(transfer_steps=0, finetune_method="rnn"),
+        r"\.rnn_params\.",
+    ),
+    "rnn-method-gpt2": ("gpt2", "gated_softmax", dict(transfer_steps=0, finetune_method="rnn"), r"\.rnn_params\."),
     "lora-llama-custom-targets": (
         "llama",
         "linear_elu",
@@ -182,6 +189,23 @@ def test_finetune_on_generated_text_trains_on_the_models_own_samples(tiny_models
     assert mixed.evaluations["base"] == plain.evaluations["base"]
     saved = json.loads((tmp_path / "mixed" / "results.json").read_text())
     assert saved["config"]["dataset"] == "pydoc+generated"
+
+
+@pytest.mark.parametrize("method", ["rnn", "lora"])
+def test_the_rnn_method_keeps_the_exact_parts_of_a_hybrid_as_the_original_computes_them(tiny_models, tmp_path, method):
+    """--finetune-method rnn trains the state's parameters alone: a position whose every key is scored
+    exactly (within the window) keeps the original's logits, while later ones change; LoRA moves both."""
+    attention = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
+    result = finetune(
+        tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0, finetune_method=method)
+    )
+    original = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    ids = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained, expected = result.model.eval()(ids).logits, original(ids).logits
+    exact = slice(0, 4)  # every key of these positions lies in the window
+    assert torch.allclose(trained[:, exact], expected[:, exact], atol=1e-5) == (method == "rnn")
+    assert not torch.allclose(trained[:, 8:], expected[:, 8:], atol=1e-3)
 
 
 def test_lora_finetune_trains_the_decay_projection(tiny_models, tmp_path):

@@ -58,6 +58,12 @@ BAD_RUNS = {
         r"the tokenizer writes a key with no token that decodes to digits alone",
     ),
     "missing-model": (dict(model="{tmp}/no_model"), FileNotFoundError, "no_model"),
+    "rnn-method-without-rnn-params": (
+        dict(attention="linear_elu", transfer_steps=0, finetune_method="rnn"),
+        UserInputError,
+        r"--finetune-method rnn trains the converted layers' own parameters \(rnn_params\), and this attention has "
+        r"none .*; use --finetune-method lora or full",
+    ),
 }
 
 
@@ -94,7 +100,7 @@ BAD_SETTINGS = {
     "bad-spec-json": (dict(attention='{"kind": "cubic"}'), r"AttentionSpec.kind='cubic' is not allowed"),
     "unknown-method": (
         dict(finetune_method="qlora"),
-        r"finetune_method='qlora' is not allowed; expected one of \['lora', 'full'\]",
+        r"finetune_method='qlora' is not allowed; expected one of \['lora', 'full', 'rnn'\]",
     ),
     "nothing-to-train": (dict(transfer_steps=0, finetune_steps=0), "nothing to train"),
     "zero-batch": (dict(batch_size=0), r"batch_size=0 is not allowed"),
@@ -160,6 +166,10 @@ BAD_SETTINGS = {
     ),
     "lora-alpha-with-full": (dict(finetune_method="full", lora_alpha=32.0), r"--lora-alpha 32\.0 contradicts"),
     "lora-dropout-with-full": (dict(finetune_method="full", lora_dropout=0.1), r"--lora-dropout 0\.1 contradicts"),
+    "lora-rank-with-rnn": (
+        dict(finetune_method="rnn", lora_rank=8),
+        r"--lora-rank 8 contradicts --finetune-method rnn .*; drop --lora-rank or use --finetune-method lora",
+    ),
     "lora-targets-with-full": (
         dict(finetune_method="full", lora_targets=["q_proj"]),
         r"--lora-targets \['q_proj'\] contradicts --finetune-method full",

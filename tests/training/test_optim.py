@@ -131,3 +131,35 @@ def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_mo
     assert ("rnn_params in full at lr 0.03" in stage.trains) == (rnn_lr is not None)
     named = "learning rate (0.001)" if rnn_lr is None else "learning rates (lr 0.001, rnn_lr 0.03)"
     assert stage.learning_rates() == named  # as the divergence message names them
+
+
+def test_the_rnn_method_trains_rnn_params_alone_at_the_rnn_learning_rate(tiny_models, tmp_path):
+    """--finetune-method rnn: one optimizer group at --rnn-lr (--lr names no other parameter), the
+    projections untouched."""
+    config = tiny_config(
+        tiny_models["llama"],
+        tmp_path / "out",
+        attention="linear_hedgehog",
+        transfer_steps=0,
+        finetune_steps=1,
+        finetune_loss="lm",
+        finetune_method="rnn",
+        lr=1e-3,
+        rnn_lr=3e-2,
+        max_grad_norm=0.0,
+    )
+    finetuner = Finetuner(config)
+    before = {name: p.detach().clone() for name, p in finetuner.converted.named_parameters()}
+    finetuner.run()
+    after = dict(finetuner.converted.named_parameters())
+    moved = {name: (after[name].detach() - tensor).abs().max().item() for name, tensor in before.items()}
+    assert {name for name, change in moved.items() if change > 0} == {
+        name for name in moved if ".rnn_params." in name
+    }
+    assert max(moved[name] for name in moved if name.endswith("hedgehog_q")) == pytest.approx(3e-2, rel=1e-2)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [row for row in rows if row["stage"] == "finetune" and "loss" in row]
+    assert step["lr"] == 3e-2 and "rnn_lr" not in step
+    (stage,) = finetuner.stages
+    assert stage.trains == "rnn_params of the converted layers (LM loss)"
+    assert stage.learning_rates() == "learning rate (0.03)"
