@@ -197,7 +197,9 @@ def test_the_rnn_method_keeps_the_exact_parts_of_a_hybrid_as_the_original_comput
     exactly (within the window) keeps the original's logits, while later ones change; LoRA moves both."""
     attention = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
     result = finetune(
-        tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0, finetune_method=method)
+        tiny_config(
+            tiny_models["llama"], tmp_path / "out", attention=attention, transfer_steps=0, finetune_method=method
+        )
     )
     original = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
     ids = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))

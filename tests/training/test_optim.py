@@ -153,9 +153,7 @@ def test_the_rnn_method_trains_rnn_params_alone_at_the_rnn_learning_rate(tiny_mo
     finetuner.run()
     after = dict(finetuner.converted.named_parameters())
     moved = {name: (after[name].detach() - tensor).abs().max().item() for name, tensor in before.items()}
-    assert {name for name, change in moved.items() if change > 0} == {
-        name for name in moved if ".rnn_params." in name
-    }
+    assert {name for name, change in moved.items() if change > 0} == {name for name in moved if ".rnn_params." in name}
     assert max(moved[name] for name in moved if name.endswith("hedgehog_q")) == pytest.approx(3e-2, rel=1e-2)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     (step,) = [row for row in rows if row["stage"] == "finetune" and "loss" in row]
