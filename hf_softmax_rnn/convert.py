@@ -47,6 +47,11 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
     )
 
 
+def converted_class(model: PreTrainedModel) -> type[PreTrainedModel]:
+    """The softmax_rnn class that `convert` makes of `model` (TypeError for a model it does not convert)."""
+    return _family(model)[1]
+
+
 def source_attention_modules(model: PreTrainedModel) -> list[nn.Module]:
     """The attention module of each decoder block of a model `convert` accepts, in layer order."""
     block_class, name, _ = _family(model)[1].attention_slot

@@ -181,18 +181,23 @@ class SoftmaxRNNAttentionMixin:
         head_dim: int,
         hidden_size: int,
     ) -> None:
-        if attention_mode not in NO_CACHE_MODES:
-            raise ValueError(
-                f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}"
-            )
         self.attention_spec = spec
         self.uses_recurrent_state = spec.fits_recurrent_state(head_dim)
-        self.attention_mode = attention_mode if self.uses_recurrent_state else "parallel"
+        self.set_attention_mode(attention_mode)
         self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
         self.attention_transfer = False
         self.teacher_forcing = True
         self.transfer_loss: torch.Tensor | None = None
         self.has_frozen_teacher = False
+
+    def set_attention_mode(self, attention_mode: str) -> None:
+        """How the layer computes a whole sequence without a cache: `attention_mode` ("parallel" or
+        "chunked") for a finite-state spec; exact exp always in parallel form."""
+        if attention_mode not in NO_CACHE_MODES:
+            raise ValueError(
+                f"attention_mode={attention_mode!r} is not allowed; expected one of {list(NO_CACHE_MODES)}"
+            )
+        self.attention_mode = attention_mode if self.uses_recurrent_state else "parallel"
 
     def freeze_teacher(self, enabled: bool) -> None:
         """Keep (or drop) a copy of the q/k/v projection weights as non-persistent buffers (moved

@@ -91,6 +91,21 @@ def parse_attention(value: str | dict | AttentionSpec) -> AttentionSpec:
         raise UserInputError(f"{source}: {error}" if source else str(error)) from error
 
 
+def converted_attention(model: str) -> dict | None:
+    """The base attention (the `attention` entry of its config.json) of `model` when it is a local folder
+    holding a converted model, else None (a Hub id, an unconverted or a broken folder: loading it tells)."""
+    from hf_softmax_rnn.models import SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
+
+    try:
+        saved = json.loads((Path(model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("attention"), dict):
+        return None
+    converted = saved.get("model_type") in (SoftmaxRNNLlamaConfig.model_type, SoftmaxRNNGPT2Config.model_type)
+    return saved["attention"] if converted else None
+
+
 def _json(text: str, source: str) -> Any:
     try:
         return json.loads(text)
@@ -145,7 +160,7 @@ def _same_dataset(saved: Any, current: Any) -> bool:
 #: Settings a checkpoint's record may lack, with the setting whose value its run used for them.
 SET_AS_BEFORE = {"rnn_lr": "lr"}
 #: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
-SAME_SETTING = {"model": _same_model, "dataset": _same_dataset}
+SAME_SETTING = {"model": _same_model, "teacher": _same_model, "dataset": _same_dataset}
 
 
 #: Tokens per training block of most recipes; `HELDOUT_BLOCK_SIZE`: per held-out block of every recipe, so
@@ -173,8 +188,11 @@ RECIPE_SCHEDULES = {
 }
 #: The narrowest window that takes the "wide_window" schedules.
 WIDE_WINDOW = 256
-#: Retrieval layers of a spec with kept positions, each with 2,048 kept positions (docs/long_context.md).
+#: Retrieval layers of a spec with kept positions, each with `RETRIEVAL_KEPT` kept positions (docs/long_context.md).
 KEPT_RETRIEVAL_LAYERS = 6
+RETRIEVAL_KEPT = 2048
+#: The settings of a conversion, which a run that continues an already converted --model takes from it.
+CONVERSION_SETTINGS = ("attention", "layers", "retrieval_layers", "retrieval_kept", "extend_context")
 
 
 def recipe_schedule(spec: AttentionSpec) -> str:
@@ -212,11 +230,19 @@ class FinetuneConfig:
     model: str = option(
         "default", "'default' (the embedded SmolLM2-135M-Instruct), a local folder or a Hub id", group=_MODEL
     )
-    attention: str | dict = option(
-        DEFAULT_ATTENTION,
+    teacher: str | None = option(
+        None,
+        "when --model is converted already (a folder written by finetune or save_pretrained): the unconverted model "
+        "it was converted from, which the run distils from and compares with ('default', a folder or a Hub id); "
+        "--model then keeps its attention and trains on",
+        group=_MODEL,
+    )
+    attention: str | dict | None = option(
+        None,
         "preset name (`python -c 'import hf_softmax_rnn; print(*hf_softmax_rnn.PRESETS)'`), a JSON object of "
         "AttentionSpec fields, or a .json file holding one",
         group=_MODEL,
+        **{SHOWN_DEFAULT: DEFAULT_ATTENTION},
     )
     layers: list[int] | None = option(None, "convert only these layer indices; the others keep softmax", group=_MODEL)
     retrieval_layers: int | None = option(
@@ -227,7 +253,9 @@ class FinetuneConfig:
         group=_MODEL,
         **_RECIPE,
     )
-    retrieval_kept: int = option(2048, "kept positions of each retrieval layer", group=_MODEL)
+    retrieval_kept: int | None = option(
+        None, "kept positions of each retrieval layer", group=_MODEL, **{SHOWN_DEFAULT: RETRIEVAL_KEPT}
+    )
     extend_context: float | None = option(
         None,
         "read FACTOR times the model's max_position_embeddings: its rotary embeddings (the teacher's too) rescaled "
@@ -403,6 +431,11 @@ class FinetuneConfig:
     hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        self._take_a_converted_models_attention()
+        if self.attention is None:
+            self.attention = DEFAULT_ATTENTION
+        if self.retrieval_kept is None:
+            self.retrieval_kept = RETRIEVAL_KEPT
         self.attention_spec = parse_attention(self.attention)
         self.retrieval_layers_from_recipe = self.retrieval_layers is None
         # the block sizes the recipe chooses (the user gave neither): cut to the model's positions if longer
@@ -462,6 +495,41 @@ class FinetuneConfig:
         self._check_hub()
         if self.long_eval:
             self.long_context_settings()
+
+    @property
+    def continues_converted(self) -> bool:
+        """Whether --model is converted already (and --teacher the model it was converted from)."""
+        return self.teacher is not None
+
+    def _take_a_converted_models_attention(self) -> None:
+        """A converted --model (a local folder) keeps the attention of its config: the conversion settings must
+        be unset, --teacher set, and the attention and the recipe come from the model (no new retrieval layers:
+        its layers keep theirs). An unconverted --model is its own teacher."""
+        attention = converted_attention(self.model)
+        if attention is None:
+            if self.teacher is not None:
+                raise UserInputError(
+                    f"--teacher {self.teacher!r} applies to a --model that is converted already; --model "
+                    f"{self.model!r} is not (it is converted here, and is its own teacher): drop --teacher"
+                )
+            return
+        given = [name for name in CONVERSION_SETTINGS if getattr(self, name) is not None]
+        if given:
+            raise UserInputError(
+                f"{_flag(given[0])} {getattr(self, given[0])!r} contradicts --model {self.model!r}, which is converted "
+                f"already (its attention is in its config.json and stays); drop {_flag(given[0])}, or convert the "
+                "original model"
+            )
+        if self.teacher is None:
+            raise UserInputError(
+                f"--model {self.model!r} is converted already: pass --teacher, the unconverted model it was converted "
+                f"from ({DEFAULT_MODEL_ALIAS!r} for the embedded model), to distil from and compare with"
+            )
+        try:
+            AttentionSpec.coerce(attention)
+        except (TypeError, ValueError) as error:
+            raise UserInputError(f"Model {self.model!r}: its model could not be loaded ({error})") from error
+        self.attention, self.retrieval_layers = attention, 0
 
     def long_context_settings(self):
         """The `LongContextSettings` of --long-eval (checked: bucket edges, counts)."""

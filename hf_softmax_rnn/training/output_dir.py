@@ -57,17 +57,17 @@ def _write_marker(directory: Path, *, finished: bool) -> None:
     (directory / MARKER_FILE).write_text(json.dumps(marker) + "\n")
 
 
-def _check_model_overlap(directory: Path, model: str) -> None:
+def _check_model_overlap(directory: Path, model: str, flag: str = "--model") -> None:
     path = Path(model).expanduser()
     if model == DEFAULT_MODEL_ALIAS or not path.is_dir():
         return
     output, model_dir = directory.resolve(), path.resolve()
     if output == model_dir:
-        relation = "is the --model folder"
+        relation = f"is the {flag} folder"
     elif model_dir in output.parents:
-        relation = f"is inside the --model folder {str(model_dir)!r}"
+        relation = f"is inside the {flag} folder {str(model_dir)!r}"
     elif output in model_dir.parents:
-        relation = f"contains the --model folder {str(model_dir)!r}"
+        relation = f"contains the {flag} folder {str(model_dir)!r}"
     else:
         return
     raise UserInputError(
@@ -131,6 +131,8 @@ def check_output_dir(config: FinetuneConfig) -> None:
         raise UserInputError(f"--output-dir {str(directory)!r} is a file; expected a folder")
     if not config.overwrite:
         _check_model_overlap(directory, config.model)
+        if config.teacher is not None:
+            _check_model_overlap(directory, config.teacher, "--teacher")
     if not directory.is_dir():
         return
     holder = _holder(directory)

@@ -143,15 +143,16 @@ def portable_config(run: RunSummary) -> dict:
 
 def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
     config = run.config
-    base_on_hub = config.model == DEFAULT_MODEL_ALIAS or not _is_local_path(config.model)
+    original = config.teacher or config.model  # the unconverted model
+    base_on_hub = original == DEFAULT_MODEL_ALIAS or not _is_local_path(original)
     sources = config.dataset_sources
     dataset_on_hub = len(sources) == 1 and sources[0] not in _OFFLINE_SOURCES and not _is_local_path(sources[0])
     dataset = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
     dataset_text = " and ".join(
         _OFFLINE_SOURCES.get(name, f"`{portable_path(name, run.output_dir)}`").format(config=config) for name in sources
     )
-    base_model = portable_path(config.model, run.output_dir)
-    if config.model == DEFAULT_MODEL_ALIAS:
+    base_model = portable_path(original, run.output_dir)
+    if original == DEFAULT_MODEL_ALIAS:
         base_model = DEFAULT_MODEL_HUB_ID
     tokens = next(iter(run.evaluations.values()), {}).get("eval_tokens", 0)
     return softmax_rnn_model_card(

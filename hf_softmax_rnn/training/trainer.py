@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.convert import convert
+from hf_softmax_rnn.convert import convert, converted_class
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
 from hf_softmax_rnn.default_model import resolve_model
@@ -65,6 +65,9 @@ from hf_softmax_rnn.training.stages import RNN_PARAMS, Stage, build_stages, held
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
+
+#: Config entries in which a converted --model must equal its --teacher.
+_SHAPE_SETTINGS = ("vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
 
 
 @dataclass
@@ -178,7 +181,7 @@ class Finetuner:
             for name in config.dataset_sources
             if name != GENERATED_CORPUS
         }
-        self.base_model, self.tokenizer = resolve_model(config.model)
+        self.base_model, self.tokenizer = resolve_model(config.teacher or config.model)
         if config.extend_context is not None:
             extend_context(self.base_model, config.extend_context)
         self._check_block_size(self.base_model)
@@ -196,12 +199,16 @@ class Finetuner:
                 if config.finetune_steps and config.finetune_method == "lora"
                 else None
             )
-            self.converted = convert(
-                self.base_model,
-                config.attention_spec,
-                layers=config.layers,
-                attention_mode=config.attention_mode,
-                layer_attention=self._retrieval_layer_attention(texts["train"]),
+            self.converted = (
+                self._converted_model()
+                if config.continues_converted
+                else convert(
+                    self.base_model,
+                    config.attention_spec,
+                    layers=config.layers,
+                    attention_mode=config.attention_mode,
+                    layer_attention=self._retrieval_layer_attention(texts["train"]),
+                )
             )
             if config.gradient_checkpointing:
                 self.converted.activation_checkpointing_enable({"use_reentrant": False})
@@ -274,6 +281,25 @@ class Finetuner:
                 f" although the folder holds a previous run's {', '.join(previous)}" if previous else "",
             )
         return path
+
+    def _converted_model(self) -> PreTrainedModel:
+        """--model, converted already, with --attention-mode; checked to be a conversion of a model shaped as
+        --teacher (the same family, layers, heads and vocabulary)."""
+        model, _ = resolve_model(self.config.model)
+        teacher = self.base_model
+        if converted_class(teacher) is not type(model) or any(
+            getattr(model.config, name, None) != getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS
+        ):
+            shape = {name: getattr(model.config, name, None) for name in _SHAPE_SETTINGS}
+            expected = {name: getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS}
+            raise UserInputError(
+                f"--model {self.config.model!r} ({type(model).__name__}, {shape}) is not a conversion of --teacher "
+                f"{self.config.teacher!r} ({type(teacher).__name__}, {expected}); pass the model it was converted from"
+            )
+        model.config.attention_mode = self.config.attention_mode
+        for module in softmax_rnn_attention_modules(model):
+            module.set_attention_mode(self.config.attention_mode)
+        return model
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them."""

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-from hf_softmax_rnn.data.corpus import pydoc_corpus
+from hf_softmax_rnn.data.corpus import load_corpus, pydoc_corpus
 from hf_softmax_rnn.training import FinetuneConfig
+from hf_softmax_rnn.training.data import eval_blocks
 
 from ..models.helpers import LLAMA_SHAPE
 
@@ -88,3 +97,12 @@ def weights(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+def direct_perplexity(model, model_dir: str, block_size: int, max_blocks: int) -> float:
+    """exp(mean over held-out blocks of the model's own `labels` loss): each block has the same
+    number of predictions, so the mean of block means is the mean over tokens."""
+    blocks = eval_blocks(load_corpus()["test"], AutoTokenizer.from_pretrained(model_dir), block_size, max_blocks)
+    with torch.no_grad():
+        losses = [model(input_ids=block[None], labels=block[None]).loss for block in blocks]
+    return math.exp(torch.stack(losses).mean().item())

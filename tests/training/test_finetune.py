@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
@@ -18,9 +18,8 @@ from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNL
 from hf_softmax_rnn.long_context import extend_context
 from hf_softmax_rnn.training import Finetuner, finetune
 from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
-from hf_softmax_rnn.training.data import eval_blocks
 from hf_softmax_rnn.training.metrics import read_metrics
-from tests.training.helpers import VOCAB_SIZE, tiny_config, weights
+from tests.training.helpers import VOCAB_SIZE, direct_perplexity, tiny_config, weights
 
 END_TO_END = {
     "llama-l2norm-lora": ("llama", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "lora"),
@@ -28,15 +27,6 @@ END_TO_END = {
     "gpt2-elu-lora": ("gpt2", "linear_elu", "lora"),
     "gpt2-divSnorm-full": ("gpt2", "softmax_divS_norm", "full"),
 }
-
-
-def direct_perplexity(model, model_dir: str, block_size: int, max_blocks: int) -> float:
-    """exp(mean over held-out blocks of the model's own `labels` loss): each block has the same
-    number of predictions, so the mean of block means is the mean over tokens."""
-    blocks = eval_blocks(load_corpus()["test"], AutoTokenizer.from_pretrained(model_dir), block_size, max_blocks)
-    with torch.no_grad():
-        losses = [model(input_ids=block[None], labels=block[None]).loss for block in blocks]
-    return math.exp(torch.stack(losses).mean().item())
 
 
 @pytest.mark.parametrize("family,attention,method", END_TO_END.values(), ids=END_TO_END.keys())

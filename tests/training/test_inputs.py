@@ -317,11 +317,13 @@ BROKEN_MODEL_FOLDERS = {
 def test_cli_reports_a_broken_model_folder_in_one_line(tiny_models, tmp_path, capsys, damage, message):
     folder = tmp_path / "model"
     shutil.copytree(tiny_models["llama"], folder)
+    arguments = ["finetune", "--output-dir", str(tmp_path / "out"), "--model", str(folder), "--no-progress"]
     if damage is _broken_attention_type:
         convert(str(folder), "linear_elu").save_pretrained(folder)
+        arguments += ["--teacher", tiny_models["llama"]]
     damage(folder)
     capsys.readouterr()
-    assert main(["finetune", "--output-dir", str(tmp_path / "out"), "--model", str(folder), "--no-progress"]) == 2
+    assert main(arguments) == 2
     error = capsys.readouterr().err
     assert "Traceback" not in error
     assert re.search(rf"^hf-softmax-rnn finetune: error: Model '.*model': {message}", error, re.MULTILINE), error
