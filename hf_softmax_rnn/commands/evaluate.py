@@ -50,7 +50,8 @@ class EvaluateOptions:
     model: str = option(DEFAULT_MODEL_ALIAS, "model to evaluate: 'default' (the embedded model), a folder or a Hub id")
     original: str | None = option(
         None,
-        "the model to compare with; default: the --model named in the folder's results.json (a `finetune` output), "
+        "the model to compare with; default: the --teacher, else the --model, named in the folder's results.json (a "
+        "`finetune` output), "
         "else 'default'; 'none' for no comparison",
     )
     texts: str = option(
@@ -131,9 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def original_of(model: str) -> str:
-    """The model a `finetune` output folder was converted from (its results.json), else 'default'."""
+    """The model a `finetune` output folder was converted from (its results.json: the run's --teacher when it
+    trained a converted model on, else its --model), else 'default'."""
     results = Path(model) / "results.json"
-    named = json.loads(results.read_text()).get("config", {}).get("model") if results.is_file() else None
+    config = json.loads(results.read_text()).get("config", {}) if results.is_file() else {}
+    named = config.get("teacher") or config.get("model")
     if not named or named == DEFAULT_MODEL_ALIAS:
         return DEFAULT_MODEL_ALIAS
     local = Path(model) / named  # results.json names local paths relative to the folder

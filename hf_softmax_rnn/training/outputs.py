@@ -133,7 +133,9 @@ def portable_config(run: RunSummary) -> dict:
     """The run's settings with local paths relative to the output folder (itself ".")."""
     config = run.config.to_dict()
     config["output_dir"] = "."
-    config["model"] = portable_path(config["model"], run.output_dir)
+    for name in ("model", "teacher"):
+        if config[name] is not None:
+            config[name] = portable_path(config[name], run.output_dir)
     if is_attention_file(config["attention"]):
         config["attention"] = portable_path(config["attention"], run.output_dir)
     sources = run.config.dataset_sources

@@ -151,6 +151,10 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
     assert original_of(str(tmp_path)) == "default"
     (tmp_path / "results.json").write_text(json.dumps({"config": {"model": "HuggingFaceTB/SmolLM2-135M"}}))
     assert original_of(str(tmp_path)) == "HuggingFaceTB/SmolLM2-135M"
+    # a run that trained a converted model on names it as --model and the original as --teacher
+    run = {"model": "../hybrid", "teacher": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    (tmp_path / "results.json").write_text(json.dumps({"config": run}))
+    assert original_of(str(tmp_path)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.mark.parametrize(

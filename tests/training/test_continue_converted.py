@@ -1,10 +1,13 @@
 """`finetune --model <converted folder> --teacher <original>`: a converted model trains on with its own attention."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_softmax_rnn import AttentionSpec, convert
+from hf_softmax_rnn.commands.evaluate import original_of
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from hf_softmax_rnn.training.outputs import portable_path
@@ -59,6 +62,8 @@ def test_a_converted_model_trains_on_with_its_own_attention_distilled_from_its_t
     card = (tmp_path / "out" / "README.md").read_text()
     teacher_path = portable_path(tiny_models["llama"], tmp_path / "out")
     assert f"`{teacher_path}` with its attention replaced" in card  # the teacher, not the converted folder
+    # `evaluate --model <output>` compares with the teacher (results.json names it relative to the folder)
+    assert Path(original_of(str(tmp_path / "out"))).resolve() == Path(tiny_models["llama"]).resolve()
 
 
 def test_the_run_reads_its_converted_model_with_the_attention_mode_it_is_given(tiny_models, converted_llama, tmp_path):
