@@ -509,8 +509,9 @@ class FinetuneConfig:
         if attention is None:
             if self.teacher is not None:
                 raise UserInputError(
-                    f"--teacher {self.teacher!r} applies to a --model that is converted already; --model "
-                    f"{self.model!r} is not (it is converted here, and is its own teacher): drop --teacher"
+                    f"--teacher {self.teacher!r} applies to a --model folder that holds a converted model; --model "
+                    f"{self.model!r} is none (an unconverted model is converted here and is its own teacher: drop "
+                    "--teacher; a converted model on the Hub: download it into a folder and pass that)"
                 )
             return
         given = [name for name in CONVERSION_SETTINGS if getattr(self, name) is not None]

@@ -287,11 +287,9 @@ class Finetuner:
         --teacher (the same family, layers, heads and vocabulary)."""
         model, _ = resolve_model(self.config.model)
         teacher = self.base_model
-        if converted_class(teacher) is not type(model) or any(
-            getattr(model.config, name, None) != getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS
-        ):
-            shape = {name: getattr(model.config, name, None) for name in _SHAPE_SETTINGS}
-            expected = {name: getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS}
+        shape = {name: getattr(model.config, name, None) for name in _SHAPE_SETTINGS}
+        expected = {name: getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS}
+        if converted_class(teacher) is not type(model) or shape != expected:
             raise UserInputError(
                 f"--model {self.config.model!r} ({type(model).__name__}, {shape}) is not a conversion of --teacher "
                 f"{self.config.teacher!r} ({type(teacher).__name__}, {expected}); pass the model it was converted from"

@@ -93,7 +93,8 @@ def test_conversion_settings_beside_a_converted_model_are_refused(
 
 
 def test_a_teacher_beside_an_unconverted_model_is_refused(tiny_models, tmp_path):
-    with pytest.raises(UserInputError, match=r"--teacher '.*' applies to a --model that is converted already"):
+    message = r"--teacher '.*' applies to a --model folder that holds a converted model; --model '.*' is none"
+    with pytest.raises(UserInputError, match=message):
         tiny_config(tiny_models["llama"], tmp_path / "out", teacher=tiny_models["gpt2"])
 
 

@@ -102,21 +102,25 @@ def test_small_models_and_the_finetuner_use_the_rule(tiny_models, tmp_path, monk
     assert model.get_parameter(norm).dim() == 2 and norm not in names
 
 
-@pytest.mark.parametrize("rnn_lr", [None, 3e-2], ids=["rnn-lr-as-lr", "rnn-lr-own"])
-def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_models, tmp_path, rnn_lr):
-    """Adam's first step moves each parameter by its learning rate (times sign of the gradient, up
-    to eps), so the largest move of the hedgehog maps is the rnn_params learning rate."""
-    config = tiny_config(
+def one_adam_step(tiny_models, tmp_path, **settings):
+    """One unclipped LM-loss step of the tiny Llama converted to `linear_hedgehog`, no transfer stage."""
+    return tiny_config(
         tiny_models["llama"],
         tmp_path / "out",
         attention="linear_hedgehog",
         transfer_steps=0,
         finetune_steps=1,
         finetune_loss="lm",
-        lr=1e-3,
-        rnn_lr=rnn_lr,
         max_grad_norm=0.0,
+        **settings,
     )
+
+
+@pytest.mark.parametrize("rnn_lr", [None, 3e-2], ids=["rnn-lr-as-lr", "rnn-lr-own"])
+def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_models, tmp_path, rnn_lr):
+    """Adam's first step moves each parameter by its learning rate (times sign of the gradient, up
+    to eps), so the largest move of the hedgehog maps is the rnn_params learning rate."""
+    config = one_adam_step(tiny_models, tmp_path, lr=1e-3, rnn_lr=rnn_lr)
     assert config.rnn_lr == (rnn_lr or 1e-3)
     finetuner = Finetuner(config)
     finetuner.run()
@@ -136,18 +140,7 @@ def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_mo
 def test_the_rnn_method_trains_rnn_params_alone_at_the_rnn_learning_rate(tiny_models, tmp_path):
     """--finetune-method rnn: one optimizer group at --rnn-lr (--lr names no other parameter), the
     projections untouched."""
-    config = tiny_config(
-        tiny_models["llama"],
-        tmp_path / "out",
-        attention="linear_hedgehog",
-        transfer_steps=0,
-        finetune_steps=1,
-        finetune_loss="lm",
-        finetune_method="rnn",
-        lr=1e-3,
-        rnn_lr=3e-2,
-        max_grad_norm=0.0,
-    )
+    config = one_adam_step(tiny_models, tmp_path, finetune_method="rnn", lr=1e-3, rnn_lr=3e-2)
     finetuner = Finetuner(config)
     before = {name: p.detach().clone() for name, p in finetuner.converted.named_parameters()}
     finetuner.run()
