@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 ORIGINAL = "original"
 RESULTS_FILE = "long_context.json"
-#: What the plot title adds after the model's name, by `--no-finite-state` (False) or not.
-STATE_OFF = {True: "", False: " (finite state off)"}
+#: What the plot title adds after the model's name, by `options.finite_state` (False: `--no-finite-state`).
+FINITE_STATE_TITLE = {True: "", False: " (finite state off)"}
 PLOT_FILE = "long_context.png"
 
 
@@ -217,7 +217,7 @@ def _evaluate_and_report(options: EvaluateOptions, settings: LongContextSettings
             **results,
         }
         (output / RESULTS_FILE).write_text(json.dumps(record, indent=1))
-        title = f"{options.model}{STATE_OFF[options.finite_state]} on {options.texts}"
+        title = f"{options.model}{FINITE_STATE_TITLE[options.finite_state]} on {options.texts}"
         plot_long_context(results, reference, output / PLOT_FILE, title=title)
         report += f"\n\nWrote {output / RESULTS_FILE} and {output / PLOT_FILE}"
     return report

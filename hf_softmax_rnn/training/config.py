@@ -94,7 +94,7 @@ def parse_attention(value: str | dict | AttentionSpec) -> AttentionSpec:
 def converted_attention(model: str) -> dict | None:
     """The base attention (the `attention` entry of its config.json) of `model` when it is a local folder
     holding a converted model, else None (a Hub id, an unconverted or a broken folder: loading it tells)."""
-    from hf_softmax_rnn.models import SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
+    from hf_softmax_rnn.convert import FAMILIES
 
     try:
         saved = json.loads((Path(model).expanduser() / "config.json").read_text())
@@ -102,7 +102,7 @@ def converted_attention(model: str) -> dict | None:
         return None
     if not isinstance(saved, dict) or not isinstance(saved.get("attention"), dict):
         return None
-    converted = saved.get("model_type") in (SoftmaxRNNLlamaConfig.model_type, SoftmaxRNNGPT2Config.model_type)
+    converted = saved.get("model_type") in {config.model_type for config, _ in FAMILIES.values()}
     return saved["attention"] if converted else None
 
 

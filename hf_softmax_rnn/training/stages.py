@@ -200,12 +200,12 @@ def finetune_stage(
     """The stage-2 `Stage`; `teacher` (the unconverted model, frozen) is needed for `finetune_loss="distill"`."""
     if config.finetune_loss == "distill" and teacher is None:
         raise ValueError("finetune_loss='distill' needs the unconverted model as `teacher`")
-    if config.finetune_method == "rnn" and not with_rnn_params:
+    only_rnn_params = config.finetune_method == "rnn"
+    if only_rnn_params and not with_rnn_params:
         raise ValueError(
             "--finetune-method rnn trains the converted layers' own parameters (rnn_params), and this attention has "
             "none (no feature map, decay, gate or normaliser weights to learn); use --finetune-method lora or full"
         )
-    only_rnn_params = config.finetune_method == "rnn"
     rnn_lr = config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr and not only_rnn_params else None
     at_rnn_lr = "" if rnn_lr is None else f" at lr {rnn_lr:g}"
 
