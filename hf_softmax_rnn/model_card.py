@@ -34,6 +34,7 @@ EVALUATION_LABELS = {
     "converted": "converted, before training",
     "transfer": "after attention transfer",
     "finetune": "after fine-tuning",
+    "state": "after training the state on long blocks",
 }
 
 
@@ -73,7 +74,6 @@ def softmax_rnn_model_card(
     dataset: str | None = None,
     dataset_on_hub: bool = False,
     dataset_text: str | None = None,
-    block_size: int | None = None,
     global_batch: int | None = None,
     num_processes: int = 1,
     has_adapter: bool = False,
@@ -89,10 +89,11 @@ def softmax_rnn_model_card(
         base_model: the checkpoint converted.
         base_model_on_hub: `base_model` is a Hub id, which goes to the metadata.
         repo_id: where the model is loaded from in the card's snippets (Hub repo or folder).
-        evaluations: point of the run ("base", "converted", "transfer", "finetune", or any
+        evaluations: point of the run ("base", "converted", "transfer", "finetune", "state", or any
             other name) -> {"perplexity", "eval_loss"}; the last one goes to model-index.
         evaluation_text: how the perplexities were measured (one sentence).
-        stages: one mapping per training stage: name, steps, learning_rate, trains, tokens.
+        stages: one mapping per training stage: name, steps, learning_rate, trains, block_size (tokens per
+            training block), tokens.
         dataset: the training data.
         dataset_on_hub: `dataset` is a Hub id, which goes to the metadata.
         dataset_text: how the card names the data.
@@ -137,7 +138,6 @@ def softmax_rnn_model_card(
         attention_json=json.dumps([{"layers": group["layers"], **group["spec"]} for group in groups], indent=2),
         stages=list(stages),
         dataset_text=dataset_text or dataset,
-        block_size=block_size,
         global_batch=global_batch,
         num_processes=num_processes,
         evaluations=rows,

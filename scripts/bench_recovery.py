@@ -2,8 +2,9 @@
 
 For every row: convert the model, then run `hf-softmax-rnn finetune` (the library's `Finetuner`)
 with the recipe's defaults: teacher-forced attention transfer, then LoRA distilled from the
-unconverted model. Held-out perplexity on long blocks (1,024 tokens by default) is measured
-before conversion, right after it, after transfer and after LoRA, with the training tokens and
+unconverted model (and for the last row, the default recipe, the state alone on 4,096-token
+blocks). Held-out perplexity on long blocks (1,024 tokens by default) is measured before
+conversion, right after it, after transfer, after LoRA and after the state stage, with the training tokens and
 wall time of each stage beside it, and one greedy sample per row. Each row's final model is also
 measured on long texts of another kind (`hf_softmax_rnn.long_context`): perplexity per position
 bucket beside the base row, and passkey retrieval per length, with tokens and wall time.
@@ -54,7 +55,8 @@ logger = logging.getLogger("bench_recovery")
 #: command line's). "window_only" is the floor any hybrid must beat: exact softmax over the last 64
 #: positions and nothing beyond. The last row is the measured recipe for long contexts (finetune's default):
 #: a 256-position window, 4 sinks, 256 kept positions and a decaying state, with the blocks and steps of its
-#: recipe (20 distillation steps of 2,048 tokens; docs/long_context.md) whatever the command line says.
+#: recipe (20 distillation steps of 2,048 tokens, then 10 of the state alone on 4,096; docs/long_context.md)
+#: whatever the command line says. The other rows train no state stage.
 LONG_RECIPE = "hedgehog_window_256_sinks_4_kept_256_decay"
 _LONG_RECIPE_RUN = recipe_defaults(AttentionSpec.from_preset(LONG_RECIPE))
 ROWS: dict[str, str | None | tuple[str, dict]] = {
@@ -71,10 +73,18 @@ ROWS: dict[str, str | None | tuple[str, dict]] = {
     "hedgehog_window_64_sinks_4_decay": "hedgehog_window_64_sinks_4_decay",
     "hedgehog_window_256_sinks_4_decay": "hedgehog_window_256_sinks_4_decay",
     "hedgehog_window_256_sinks_4_kept_256_decay": "hedgehog_window_256_sinks_4_kept_256_decay",
-    "long_recipe": (LONG_RECIPE, {name: _LONG_RECIPE_RUN[name] for name in ("block_size", "finetune_steps")}),
+    "long_recipe": (
+        LONG_RECIPE,
+        {name: _LONG_RECIPE_RUN[name] for name in ("block_size", "finetune_steps", "state_steps")},
+    ),
 }
-POINTS = ("converted", "transfer", "finetune")
-POINT_LABELS = {"converted": "after conversion", "transfer": "after transfer", "finetune": "after LoRA"}
+POINTS = ("converted", "transfer", "finetune", "state")
+POINT_LABELS = {
+    "converted": "after conversion",
+    "transfer": "after transfer",
+    "finetune": "after LoRA",
+    "state": "after the state stage",
+}
 PROMPT = "The for statement in Python"
 
 
@@ -139,6 +149,7 @@ def _settings(args: argparse.Namespace, preset: str, output_dir: str, row_settin
         batch_size=args.batch_size,
         eval_batch_size=1,
         max_eval_blocks=args.eval_blocks,
+        state_steps=0,
         eval_every=10**9,
         save_every=10**9,
         progress=True,
@@ -244,13 +255,13 @@ def table(records: list[dict], args: argparse.Namespace) -> str:
         f"Held-out perplexity over {scored:,} tokens (blocks of {args.block_size}, each scored on its own); "
         "in brackets the training tokens and wall time of that stage.",
         "",
-        "| row | attention | after conversion | after transfer | after LoRA | ratio to base | transfer MSE "
+        f"| row | attention | {' | '.join(POINT_LABELS[point] for point in POINTS)} | ratio to base | transfer MSE "
         "(sum over layers) | greedy sample |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for record in records:
         points = record["points"]
-        final = points.get("finetune") or points.get("transfer") or points["converted"]
+        final = next(points[point] for point in reversed(POINTS) if point in points)
         ratio = f"{final['perplexity'] / base['perplexity']:.2f}x" if base else "-"
         mse = record.get("layer_mse")
         mse_cell = f"{mse['before']:.3g} -> {mse['after']:.3g}" if mse and "after" in mse else "-"
@@ -270,10 +281,11 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 4))
-    width = 0.27
+    width = 0.8 / len(POINTS)
     for offset, point in enumerate(POINTS):
         values = [r["points"].get(point, {}).get("perplexity", math.nan) for r in records]
-        axis.bar([i + (offset - 1) * width for i in range(len(records))], values, width, label=POINT_LABELS[point])
+        shift = (offset - (len(POINTS) - 1) / 2) * width
+        axis.bar([i + shift for i in range(len(records))], values, width, label=POINT_LABELS[point])
     base = next((r["points"]["converted"]["perplexity"] for r in records if r["row"] == "base"), None)
     if base:
         axis.axhline(base, color="black", linestyle="--", linewidth=1, label="unconverted")

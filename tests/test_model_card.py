@@ -29,10 +29,26 @@ def _card(**overrides) -> ModelCard:
         base_model_on_hub=True,
         repo_id="someone/smollm2-l2",
         evaluations=EVALUATIONS,
-        stages=[{"name": "finetune", "steps": 10, "learning_rate": 2e-4, "trains": "LoRA", "tokens": 40960}],
+        stages=[
+            {
+                "name": "finetune",
+                "steps": 10,
+                "learning_rate": 2e-4,
+                "trains": "LoRA",
+                "block_size": 256,
+                "tokens": 40960,
+            },
+            {
+                "name": "state",
+                "steps": 2,
+                "learning_rate": 1e-2,
+                "trains": "rnn_params",
+                "block_size": 4096,
+                "tokens": 131072,
+            },
+        ],
         dataset="wikitext",
         dataset_on_hub=True,
-        block_size=256,
         global_batch=16,
         has_adapter=True,
     )
@@ -83,6 +99,12 @@ def test_text_has_perplexities_loading_and_citation():
     assert 'from_pretrained("someone/smollm2-l2", trust_remote_code=True)' in text
     assert 'subfolder="adapter"' in text
     assert "arXiv:2507.23632" in text and "Mongaras" in text and "Transactions on Machine Learning Research" in text
+
+
+def test_training_table_gives_each_stage_its_block_length_and_tokens():
+    text = _card().text
+    assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 |" in text
+    assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 |" in text
 
 
 def test_local_base_model_and_data_stay_out_of_the_metadata():

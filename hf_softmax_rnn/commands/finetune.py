@@ -1,7 +1,7 @@
-"""`hf-softmax-rnn finetune`: convert a model's attention, then attention transfer and LoRA (or full)
-fine-tuning, with Accelerate.
+"""`hf-softmax-rnn finetune`: convert a model's attention, then attention transfer, LoRA (or full)
+fine-tuning and the finite state alone on long blocks, with Accelerate.
 
-    hf-softmax-rnn finetune --output-dir out/hybrid     # hedgehog_window_256_sinks_4_kept_256_decay, 40 steps
+    hf-softmax-rnn finetune --output-dir out/hybrid     # hedgehog_window_256_sinks_4_kept_256_decay: 20 + 10 steps
     hf-softmax-rnn finetune --output-dir out/l2 --attention gated_softmax_no_gate_L2norm_nodivS_noclamp
     hf-softmax-rnn finetune --output-dir out/hybrid --long-eval   # + perplexity by position, passkey
 

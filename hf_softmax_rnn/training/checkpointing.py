@@ -275,16 +275,17 @@ def check_exact_resume(accelerator, path: Path, state: TrainerState, fingerprint
     )
 
 
-def data_fingerprint(train_data: ShuffledBlocks | StreamedBlocks, held_out: torch.Tensor) -> str:
-    """sha256 of the token ids a run trains and evaluates on: every training block (the first
-    `FINGERPRINT_STREAM_BLOCKS` of a stream) with their count, and the held-out blocks."""
+def data_fingerprint(train_data: list[ShuffledBlocks | StreamedBlocks], held_out: torch.Tensor) -> str:
+    """sha256 of the token ids a run trains and evaluates on: every training block of each stream in
+    turn (the first `FINGERPRINT_STREAM_BLOCKS` of a streamed one) with their count, and the held-out blocks."""
     digest = hashlib.sha256()
-    if isinstance(train_data, ShuffledBlocks):
-        digest.update(f"{len(train_data)} blocks\n".encode())
-        for batch in train_data.blocks.with_format("numpy", columns=["input_ids"]).iter(batch_size=4096):
-            digest.update(np.ascontiguousarray(batch["input_ids"]).tobytes())
-    else:
-        rows = itertools.islice(iter(train_data.blocks), FINGERPRINT_STREAM_BLOCKS)
-        digest.update(f"stream\n{[row['input_ids'] for row in rows]}\n".encode())
+    for blocks in train_data:
+        if isinstance(blocks, ShuffledBlocks):
+            digest.update(f"{len(blocks)} blocks\n".encode())
+            for batch in blocks.blocks.with_format("numpy", columns=["input_ids"]).iter(batch_size=4096):
+                digest.update(np.ascontiguousarray(batch["input_ids"]).tobytes())
+        else:
+            rows = itertools.islice(iter(blocks.blocks), FINGERPRINT_STREAM_BLOCKS)
+            digest.update(f"stream\n{[row['input_ids'] for row in rows]}\n".encode())
     digest.update(held_out.cpu().numpy().tobytes())
     return digest.hexdigest()

@@ -159,6 +159,10 @@ def _same_dataset(saved: Any, current: Any) -> bool:
 
 #: Settings a checkpoint's record may lack, with the setting whose value its run used for them.
 SET_AS_BEFORE = {"rnn_lr": "lr"}
+#: Settings a checkpoint's record may lack, with the value its run had (it trained no state stage).
+HAD_BEFORE = {"state_steps": 0}
+#: The settings of the state stage beside its step count, compared only where both runs train it.
+STATE_SETTINGS = ("state_block_size", "state_lr")
 #: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
 SAME_SETTING = {"model": _same_model, "teacher": _same_model, "dataset": _same_dataset}
 
@@ -166,9 +170,18 @@ SAME_SETTING = {"model": _same_model, "teacher": _same_model, "dataset": _same_d
 #: Tokens per training block of most recipes; `HELDOUT_BLOCK_SIZE`: per held-out block of every recipe, so
 #: that their in-domain figures are measured on the same blocks.
 BLOCK_SIZE = HELDOUT_BLOCK_SIZE = 1024
+#: Tokens per training block of the state stage (stage 3): past the exact part of every layer, retrieval
+#: layers included, so that each layer's finite state learns positions beyond the other stages' blocks.
+STATE_BLOCK_SIZE = 4096
 #: The schedule of a run whose stage settings are left unset, for most specs: transfer, then LoRA on the LM loss.
 DEFAULT_SCHEDULE = dict(
-    transfer_steps=100, transfer_lr=1e-3, finetune_steps=200, lr=2e-4, finetune_loss="lm", block_size=BLOCK_SIZE
+    transfer_steps=100,
+    transfer_lr=1e-3,
+    finetune_steps=200,
+    lr=2e-4,
+    finetune_loss="lm",
+    block_size=BLOCK_SIZE,
+    state_steps=0,
 )
 #: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
@@ -177,11 +190,12 @@ DEFAULT_SCHEDULE = dict(
 #: reaches its level within 40 steps (80 steps moved every position bucket by less than 1.5 %).
 #: With kept positions beside it, 20 steps of 2,048-token blocks (the same tokens): the kept selection and
 #: the state then see positions past 1,024, which lifts passkey retrieval at 2,048 tokens
-#: (docs/long_context.md; 40 such steps did no better).
-_DISTILL = dict(transfer_steps=0, transfer_lr=1e-2, lr=1e-3, finetune_loss="distill")
+#: (docs/long_context.md; 40 such steps did no better). Then 10 steps of 4,096-token blocks train the state
+#: alone, which lifts agreement with the original past 1,024 tokens and leaves every exact score as it was.
+_DISTILL = dict(transfer_steps=0, transfer_lr=1e-2, lr=1e-3, finetune_loss="distill", state_steps=0)
 RECIPE_SCHEDULES = {
     "default": DEFAULT_SCHEDULE,
-    "kept_wide_window": _DISTILL | dict(finetune_steps=20, block_size=2048),
+    "kept_wide_window": _DISTILL | dict(finetune_steps=20, block_size=2048, state_steps=10),
     "wide_window": _DISTILL | dict(finetune_steps=40, block_size=BLOCK_SIZE),
     "window": _DISTILL | dict(finetune_steps=300, block_size=BLOCK_SIZE),
     "learned_map": _DISTILL | dict(transfer_steps=100, finetune_steps=300, block_size=BLOCK_SIZE),
@@ -215,6 +229,7 @@ def recipe_defaults(spec: AttentionSpec) -> dict[str, Any]:
 # Sections of `hf-softmax-rnn finetune --help`.
 _MODEL, _DATA, _OPTIM = "model and attention", "data", "optimisation"
 _TRANSFER, _FINETUNE = "stage 1: attention transfer", "stage 2: language-model fine-tuning"
+_STATE = "stage 3: the finite state on long blocks"
 _OUTPUT = "evaluation, checkpoints and publishing"
 _LONG = "long-context evaluation (after training, of the unconverted and the trained model)"
 #: Stage settings that come from the attention's recipe when not given.
@@ -366,6 +381,25 @@ class FinetuneConfig:
         None, "module name suffixes (the attention projections when not given)", group=_FINETUNE
     )
 
+    state_steps: int | None = option(
+        None,
+        "optimizer steps that train only the converted layers' own parameters (rnn_params: feature maps, decay, "
+        "gates), distilled from the unconverted model on --state-block-size blocks, after the other stages: the "
+        "finite state of each layer learns the positions past its exact part, and every exact score stays as it was "
+        "(0 skips the stage; recipe: 10 for a spec with kept positions and a window of "
+        f"{WIDE_WINDOW} or more, else 0)",
+        group=_STATE,
+        **_RECIPE,
+    )
+    state_block_size: int | None = option(
+        None,
+        "tokens per training block of the stage (longer than the exact part of every layer: window, sinks and kept "
+        "positions)",
+        group=_STATE,
+        **{SHOWN_DEFAULT: f"{STATE_BLOCK_SIZE}, cut to the model's positions"},
+    )
+    state_lr: float = option(1e-2, "peak learning rate", group=_STATE)
+
     lr_scheduler: str = option("cosine", "learning-rate schedule of each stage", choices=LR_SCHEDULERS, group=_OPTIM)
     warmup_steps: int = option(0, "warm-up steps of each stage", group=_OPTIM)
     weight_decay: float = option(0.0, WEIGHT_DECAY_HELP, group=_OPTIM)
@@ -442,6 +476,9 @@ class FinetuneConfig:
         self.blocks_from_recipe = ("block_size",) if self.block_size is None else ()
         if self.blocks_from_recipe and self.eval_block_size is None:
             self.blocks_from_recipe += ("eval_block_size",)
+        if self.state_block_size is None:
+            self.blocks_from_recipe += ("state_block_size",)
+            self.state_block_size = STATE_BLOCK_SIZE
         for name, value in recipe_defaults(self.attention_spec).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -471,11 +508,11 @@ class FinetuneConfig:
             _check_at_least(name, getattr(self, name))
         if not 0 <= self.seed < 2**32:
             raise UserInputError(f"seed={self.seed} is not allowed; expected an int from 0 to 2**32 - 1")
-        for name in ("transfer_steps", "finetune_steps", "warmup_steps"):
+        for name in ("transfer_steps", "finetune_steps", "state_steps", "warmup_steps"):
             _check_at_least(name, getattr(self, name), minimum=0)
         self.dataset_sources = source_names(self.dataset)
         self._check_text_column()
-        for name in ("block_size", "eval_block_size"):
+        for name in ("block_size", "eval_block_size", "state_block_size"):
             value = getattr(self, name)
             if value is not None and not value >= 2:
                 raise UserInputError(f"{name}={value} is not allowed; expected an int >= 2")
@@ -484,8 +521,10 @@ class FinetuneConfig:
         if not 0 < self.test_fraction < 1:
             raise UserInputError(f"test_fraction={self.test_fraction} is not allowed; expected a number in (0, 1)")
         _check_at_least("transfer_lm_weight", self.transfer_lm_weight, minimum=0)
-        if self.transfer_steps + self.finetune_steps == 0:
-            raise UserInputError("transfer_steps and finetune_steps are both 0: nothing to train; set at least one > 0")
+        if self.transfer_steps + self.finetune_steps + self.state_steps == 0:
+            raise UserInputError(
+                "transfer_steps, finetune_steps and state_steps are all 0: nothing to train; set at least one > 0"
+            )
         if self.layers is not None and any(index < 0 for index in self.layers):
             raise UserInputError(f"layers={self.layers} is not allowed; expected layer indices >= 0")
         self._check_retrieval()
@@ -604,7 +643,7 @@ class FinetuneConfig:
             ) from error
 
     def _check_optimisation(self) -> None:
-        for name in ("lr", "rnn_lr", "transfer_lr"):
+        for name in ("lr", "rnn_lr", "transfer_lr", "state_lr"):
             _check_positive(name, getattr(self, name))
         _check_at_least("weight_decay", self.weight_decay, minimum=0)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
@@ -626,8 +665,14 @@ class FinetuneConfig:
 
     @property
     def stage_names(self) -> list[str]:
-        """The stages this run trains, in order ("transfer", "finetune")."""
-        return [name for name, steps in (("transfer", self.transfer_steps), ("finetune", self.finetune_steps)) if steps]
+        """The stages this run trains, in order ("transfer", "finetune", "state")."""
+        steps = {"transfer": self.transfer_steps, "finetune": self.finetune_steps, "state": self.state_steps}
+        return [name for name, count in steps.items() if count]
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether a stage distils from the unconverted model (stage 2 with --finetune-loss distill, stage 3)."""
+        return self.finetune_loss == "distill" or bool(self.state_steps)
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor arguments (JSON-serialisable)."""
@@ -641,12 +686,15 @@ class FinetuneConfig:
 
     def resume_conflicts(self, saved: dict[str, Any]) -> list[str]:
         """Settings that differ from a checkpoint's and would change the trained weights (a local --model or
-        dataset path compares resolved: `SAME_SETTING`; LoRA settings do not matter to full fine-tuning)."""
+        dataset path compares resolved: `SAME_SETTING`; LoRA settings do not matter to full fine-tuning, nor the
+        state stage's settings to a run without it)."""
         current = self.to_dict()
         backfilled = {name: saved[older] for name, older in SET_AS_BEFORE.items() if older in saved}
-        saved = backfilled | saved
+        saved = HAD_BEFORE | backfilled | saved
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         ignored = RESUMABLE_CHANGES | (set(LORA_DEFAULTS) if self.finetune_method != "lora" else set())
+        if not (self.state_steps and saved["state_steps"]):  # the step counts differ, or no state stage at all
+            ignored |= set(STATE_SETTINGS)
         return [
             f"{name}: checkpoint {saved.get(name)!r}, now {current[name]!r}"
             for name in sorted(current)

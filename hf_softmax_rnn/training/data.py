@@ -27,9 +27,9 @@ class ShuffledBlocks:
     permutation drawn from (seed, e): the order is a pure function of the position.
     """
 
-    def __init__(self, blocks: Dataset, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, blocks: Dataset, seed: int, shuffle: bool = True, flag: str = "--block-size") -> None:
         if len(blocks) == 0:
-            raise ValueError("The training split has no full block; use a smaller --block-size or more data")
+            raise ValueError(f"The training split has no full block; use a smaller {flag} or more data")
         self.blocks = blocks.with_format("torch", columns=["input_ids"])
         self.seed = seed
         self.shuffle = shuffle
@@ -65,8 +65,9 @@ class StreamedBlocks:
     """Packed blocks of a streamed dataset, read in order (with a seeded shuffle buffer) and restarted
     with the next epoch's shuffle when exhausted. Every process reads the whole stream."""
 
-    def __init__(self, blocks: IterableDataset, seed: int, shuffle_buffer: int) -> None:
+    def __init__(self, blocks: IterableDataset, seed: int, shuffle_buffer: int, flag: str = "--block-size") -> None:
         self.blocks = blocks.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle_buffer > 1 else blocks
+        self.flag = flag
         self.epoch = 0
         self.offset = 0
         self._iterator = None
@@ -88,7 +89,7 @@ class StreamedBlocks:
                 self.offset += 1
             elif self.offset == 0:
                 raise ValueError(
-                    "The streamed training split has no full block; use a smaller --block-size or more data"
+                    f"The streamed training split has no full block; use a smaller {self.flag} or more data"
                 )
             else:
                 self.epoch, self.offset, self._iterator = self.epoch + 1, 0, None
@@ -117,12 +118,14 @@ def eval_blocks(texts, tokenizer, block_size: int, max_blocks: int | None) -> to
 
 
 def train_blocks(
-    texts, tokenizer, block_size: int, *, seed: int, shuffle_buffer: int
+    texts, tokenizer, block_size: int, *, seed: int, shuffle_buffer: int, flag: str = "--block-size"
 ) -> ShuffledBlocks | StreamedBlocks:
+    """The training split packed into `block_size`-token blocks, in a seeded order; `flag` is the setting that
+    chose `block_size` (named when the split holds no full block)."""
     packed = pack_texts(texts, tokenizer, block_size)
     if isinstance(packed, IterableDataset):
-        return StreamedBlocks(packed, seed=seed, shuffle_buffer=shuffle_buffer)
-    return ShuffledBlocks(packed, seed=seed)
+        return StreamedBlocks(packed, seed=seed, shuffle_buffer=shuffle_buffer, flag=flag)
+    return ShuffledBlocks(packed, seed=seed, flag=flag)
 
 
 def split_global_batch(batch: torch.Tensor, *, grad_accum: int, num_processes: int, process_index: int) -> torch.Tensor:

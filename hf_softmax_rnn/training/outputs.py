@@ -173,7 +173,6 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         dataset=dataset,
         dataset_on_hub=dataset_on_hub,
         dataset_text=dataset_text,
-        block_size=config.block_size,
         global_batch=run.global_batch,
         num_processes=run.num_processes,
         has_adapter=has_adapter,

@@ -1,4 +1,4 @@
-"""The two training stages of a converted model, and what each one trains.
+"""The three training stages of a converted model, and what each one trains.
 
 1. "transfer" (attention transfer): every converted attention layer also computes exact
    softmax attention on the same q, k, v, and the loss is the mean over layers of the MSE
@@ -12,6 +12,10 @@
    which leaves every exact score as the unconverted model computes it. On the LM loss, or
    distilled from the unconverted model (KL divergence of the next-token distributions, every
    position).
+3. "state": the converted layers' `rnn_params` alone (inside the LoRA model when stage 2 made
+   one), distilled from the unconverted model on blocks of their own length, longer than the
+   exact part of every layer: the finite state learns the positions that the other stages'
+   blocks leave to the exact part.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -120,6 +125,16 @@ def _freeze_all_but(model: nn.Module, trainable: list[nn.Module]) -> None:
         module.requires_grad_(True)
 
 
+def _rnn_params_in_use(model: nn.Module) -> list[nn.Module]:
+    """Each attention layer's `rnn_params` as its forward uses them: inside a LoRA model, the trained copy
+    that PEFT's `modules_to_save` wrapper holds (its original stays frozen)."""
+    modules = [module.rnn_params for module in softmax_rnn_attention_modules(model)]
+    return [
+        params.modules_to_save[params.active_adapter] if isinstance(params, ModulesToSaveWrapper) else params
+        for params in modules
+    ]
+
+
 @dataclass
 class Stage:
     """One training stage. `trains` says in words what it trains; `setup(model)` returns the
@@ -131,10 +146,14 @@ class Stage:
     name: str
     steps: int
     learning_rate: float
+    #: tokens per training block
+    block_size: int
     trains: str
     setup: Callable[[nn.Module], nn.Module]
     loss: Callable[[nn.Module, nn.Module, torch.Tensor], dict[str, torch.Tensor]]
     teardown: Callable[[nn.Module], None] = lambda model: None
+    #: the flag that sets `block_size`
+    block_size_flag: str = "--block-size"
     may_leave_parameters_unused: bool = False
     #: learning rate of the parameters inside the converted layers' `rnn_params` where it differs from
     #: `learning_rate` (None: the same)
@@ -186,6 +205,7 @@ def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
         "transfer",
         config.transfer_steps,
         config.transfer_lr,
+        config.block_size,
         trains,
         setup,
         loss,
@@ -230,7 +250,7 @@ def finetune_stage(
         return model.requires_grad_(True)
 
     def setup_rnn(model: nn.Module) -> nn.Module:
-        _freeze_all_but(model, [module.rnn_params for module in softmax_rnn_attention_modules(model)])
+        _freeze_all_but(model, _rnn_params_in_use(model))
         return model
 
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
@@ -247,6 +267,7 @@ def finetune_stage(
         "finetune",
         config.finetune_steps,
         config.rnn_lr if only_rnn_params else config.lr,
+        config.block_size,
         trains,
         setups[config.finetune_method],
         loss or _distill_loss(teacher),
@@ -254,15 +275,48 @@ def finetune_stage(
     )
 
 
+def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Module) -> Stage:
+    """The stage-3 `Stage`: `rnn_params` alone on `config.state_block_size`-token blocks, distilled from `teacher`."""
+    if teacher is None:
+        raise ValueError("The state stage distils from the unconverted model: pass it as `teacher`")
+    if not with_rnn_params:
+        raise ValueError(
+            f"--state-steps {config.state_steps} trains the converted layers' own parameters (rnn_params), and this "
+            "attention has none (no feature map, decay, gate or normaliser weights to learn); set --state-steps 0"
+        )
+
+    def setup(model: nn.Module) -> nn.Module:
+        _freeze_all_but(model, _rnn_params_in_use(model))
+        return model
+
+    trains = (
+        f"rnn_params of the converted layers on {config.state_block_size:,}-token blocks (KL to the unconverted "
+        "model's logits)"
+    )
+    return Stage(
+        "state",
+        config.state_steps,
+        config.state_lr,
+        config.state_block_size,
+        trains,
+        setup,
+        _distill_loss(teacher),
+        block_size_flag="--state-block-size",
+    )
+
+
 def build_stages(
     config: FinetuneConfig, model: nn.Module, *, lora_target_names: list[str] | None, teacher: nn.Module | None = None
 ) -> list[Stage]:
-    """The stages of this run in order (a stage with 0 steps is left out)."""
+    """The stages of this run in order (a stage with 0 steps is left out); `teacher` (the unconverted model,
+    frozen) is needed for distillation (`config.needs_teacher`)."""
+    with_rnn_params = has_rnn_params(model)
     builders = {
         "transfer": lambda: transfer_stage(config, transfer_modules(model, config.transfer_modules)),
         "finetune": lambda: finetune_stage(
-            config, lora_target_names or [], with_rnn_params=has_rnn_params(model), teacher=teacher
+            config, lora_target_names or [], with_rnn_params=with_rnn_params, teacher=teacher
         ),
+        "state": lambda: state_stage(config, with_rnn_params=with_rnn_params, teacher=teacher),
     }
     return [builders[name]() for name in config.stage_names]
 

@@ -55,13 +55,19 @@ from hf_softmax_rnn.training.checkpointing import (
     save_checkpoint,
 )
 from hf_softmax_rnn.training.config import FinetuneConfig
-from hf_softmax_rnn.training.data import eval_blocks, split_global_batch, train_blocks
+from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks, eval_blocks, split_global_batch, train_blocks
 from hf_softmax_rnn.training.long_context_run import ORIGINAL, TRAINED, LongContextRun
 from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
-from hf_softmax_rnn.training.stages import RNN_PARAMS, Stage, build_stages, heldout_layer_mse, lora_targets
+from hf_softmax_rnn.training.stages import (
+    RNN_PARAMS,
+    Stage,
+    build_stages,
+    heldout_layer_mse,
+    lora_targets,
+)
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
@@ -212,20 +218,28 @@ class Finetuner:
             )
             if config.gradient_checkpointing:
                 self.converted.activation_checkpointing_enable({"use_reentrant": False})
-            teacher = self.base_model.requires_grad_(False) if config.finetune_loss == "distill" else None
+            teacher = self.base_model.requires_grad_(False) if config.needs_teacher else None
             self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets, teacher=teacher)
         with self.accelerator.main_process_first(), user_input_checks():  # too little data for one block
-            self.train_data = train_blocks(
-                texts["train"],
-                self.tokenizer,
-                config.block_size,
-                seed=config.seed,
-                shuffle_buffer=config.shuffle_buffer,
-            )
             self.eval_ids = eval_blocks(
                 texts["test"], self.tokenizer, config.heldout_block_size, config.max_eval_blocks
             )
-        fingerprint = data_fingerprint(self.train_data, self.eval_ids)
+            # the training blocks of each stage's length; stages of the same length read one stream in turn
+            flags = {}
+            for stage in self.stages:
+                flags.setdefault(stage.block_size, stage.block_size_flag)
+            self.train_data = {
+                size: train_blocks(
+                    texts["train"],
+                    self.tokenizer,
+                    size,
+                    seed=config.seed,
+                    shuffle_buffer=config.shuffle_buffer,
+                    flag=flag,
+                )
+                for size, flag in flags.items()
+            }
+        fingerprint = data_fingerprint(list(self.train_data.values()), self.eval_ids)
         if self.resume_from is not None:
             check_exact_resume(
                 self.accelerator, self.resume_from, self.state, fingerprint, allow_inexact=config.allow_inexact_resume
@@ -234,10 +248,10 @@ class Finetuner:
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
-            "Global batch %d blocks of %d tokens (%d per process x %d processes x %d accumulation); %d held-out "
+            "Global batch %d blocks (%s) (%d per process x %d processes x %d accumulation); %d held-out "
             "blocks; distributed: %s",
             self.global_batch,
-            config.block_size,
+            ", ".join(f"{stage.block_size} tokens in {stage.name}" for stage in self.stages),
             config.batch_size,
             self.accelerator.num_processes,
             config.grad_accum,
@@ -300,24 +314,22 @@ class Finetuner:
         return model
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
-        """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them."""
+        """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them
+        (the state stage's only where it trains)."""
+        config = self.config
         maximum = getattr(model.config, "max_position_embeddings", None)
-        if maximum is not None:
-            for name in self.config.blocks_from_recipe:
-                if getattr(self.config, name) > maximum:
-                    logger.info(
-                        "The recipe's %s=%d is cut to the model's %d positions",
-                        name,
-                        getattr(self.config, name),
-                        maximum,
-                    )
-                    setattr(self.config, name, maximum)
-        for name in ("block_size", "eval_block_size"):
-            value = getattr(self.config, name)
-            if maximum is not None and value is not None and value > maximum:
+        names = ("block_size", "eval_block_size") + (("state_block_size",) if config.state_steps else ())
+        for name in names:
+            value = getattr(config, name)
+            if maximum is None or value is None or value <= maximum:
+                continue
+            if name in config.blocks_from_recipe:
+                logger.info("The recipe's %s=%d is cut to the model's %d positions", name, value, maximum)
+                setattr(config, name, maximum)
+            else:
                 raise UserInputError(
                     f"{name}={value} is larger than the model's maximum of {maximum} positions "
-                    f"(max_position_embeddings of {self.config.model!r}); use --{name.replace('_', '-')} <= {maximum}"
+                    f"(max_position_embeddings of {config.model!r}); use --{name.replace('_', '-')} <= {maximum}"
                 )
 
     # ------------------------------------------------------------------ evaluation and logging
@@ -363,7 +375,10 @@ class Finetuner:
         if AFTER_CONVERSION not in self.state.evaluations:
             self.state.evaluations[AFTER_CONVERSION] = self.evaluate(model, AFTER_CONVERSION)
         for index, stage in enumerate(self.stages):
-            if index >= self.state.stage_index:
+            if index < self.state.stage_index:  # trained before the resume: only the wrapper it leaves (LoRA)
+                model = stage.setup(model)
+                stage.teardown(model)
+            else:
                 model = self._train_stage(index, stage, model)
         if self.metrics is not None:
             self.metrics.close()
@@ -390,7 +405,8 @@ class Finetuner:
                 "learning_rate": stage.learning_rate,
                 "trains": stage.trains,
                 "trainable_parameters": self.state.trainable_parameters.get(stage.name),
-                "tokens": stage.steps * self.global_batch * self.config.block_size,
+                "block_size": stage.block_size,
+                "tokens": stage.steps * self.global_batch * stage.block_size,
             }
             for stage in self.stages
         ]
@@ -424,11 +440,12 @@ class Finetuner:
         )
         self._ddp_kwargs.find_unused_parameters = stage.may_leave_parameters_unused
         prepared, optimizer = accelerator.prepare(trainable, optimizer)
+        blocks = self.train_data[stage.block_size]
         if self.resume_from is not None and index == self.state.stage_index:
             fingerprint = self.state.data_fingerprint  # of the data read now (differs with --allow-inexact-resume)
             self.state = load_checkpoint(accelerator, self.resume_from, scheduler)
             self.state.data_fingerprint = fingerprint
-            self.train_data.load_state_dict(self.state.data)
+            blocks.load_state_dict(self.state.data)
         else:
             self.state.stage_index, self.state.stage_step = index, 0
         self.state.trainable_parameters[stage.name] = count
@@ -440,7 +457,7 @@ class Finetuner:
             total=stage.steps, initial=self.state.stage_step, desc=stage.name, disable=not self._show_progress
         )
         for step in range(self.state.stage_step + 1, stage.steps + 1):
-            values = self._train_step(stage, prepared, unwrapped, optimizer, scheduler)
+            values = self._train_step(stage, blocks, prepared, unwrapped, optimizer, scheduler)
             self.state.global_step += 1
             self.state.stage_step = step
             self._log(stage.name, **values)
@@ -453,11 +470,11 @@ class Finetuner:
                 self._stop_if_diverged(stage, step, {"eval_loss": result["eval_loss"]})
                 progress.set_postfix(loss=f"{values['loss']:.4f}", ppl=f"{result['perplexity']:.2f}")
                 if last:
-                    tokens = stage.steps * self.global_batch * config.block_size
+                    tokens = stage.steps * self.global_batch * stage.block_size
                     self.state.evaluations[stage.name] = {**result, "train_tokens": tokens}
                     self.stage_seconds[stage.name] = round(time.perf_counter() - started, 1)
             if step % config.save_every == 0 or last:
-                self.state.data = self.train_data.state_dict()
+                self.state.data = blocks.state_dict()
                 save_checkpoint(accelerator, self.output_dir, self.state, scheduler, keep=config.save_total_limit)
         progress.close()
         if stage.name == "transfer":
@@ -487,7 +504,7 @@ class Finetuner:
     def _log_states_without_training(self) -> None:
         """Name the converted layers whose exact part holds every key of a training block: their finite state
         stays empty in training, so the parameters that only it uses (feature maps, decay) keep their values."""
-        block = self.config.block_size
+        block = max(stage.block_size for stage in self.stages)
         layers = {
             module.layer_idx: module.attention_spec.exact_positions
             for module in softmax_rnn_attention_modules(self.converted)
@@ -532,13 +549,19 @@ class Finetuner:
             record_layer_mse(self.output_dir, point, values)
 
     def _train_step(
-        self, stage: Stage, model: nn.Module, unwrapped: nn.Module, optimizer, scheduler
+        self,
+        stage: Stage,
+        blocks: ShuffledBlocks | StreamedBlocks,
+        model: nn.Module,
+        unwrapped: nn.Module,
+        optimizer,
+        scheduler,
     ) -> dict[str, float]:
-        """One optimizer step over this process's share of the next global batch; returns the
+        """One optimizer step over this process's share of the next global batch of `blocks`; returns the
         loss parts averaged over micro-batches and processes, the gradient norm and learning rate."""
         config, accelerator = self.config, self.accelerator
         micro_batches = split_global_batch(
-            self.train_data.next_blocks(self.global_batch),
+            blocks.next_blocks(self.global_batch),
             grad_accum=config.grad_accum,
             num_processes=accelerator.num_processes,
             process_index=accelerator.process_index,

@@ -102,7 +102,13 @@ BAD_SETTINGS = {
         dict(finetune_method="qlora"),
         r"finetune_method='qlora' is not allowed; expected one of \['lora', 'full', 'rnn'\]",
     ),
-    "nothing-to-train": (dict(transfer_steps=0, finetune_steps=0), "nothing to train"),
+    "nothing-to-train": (
+        dict(transfer_steps=0, finetune_steps=0, state_steps=0),
+        r"transfer_steps, finetune_steps and state_steps are all 0: nothing to train",
+    ),
+    "negative-state-steps": (dict(state_steps=-1), r"state_steps=-1 is not allowed; expected a number >= 0"),
+    "state-block-too-short": (dict(state_block_size=1), r"state_block_size=1 is not allowed; expected an int >= 2"),
+    "zero-state-lr": (dict(state_lr=0.0), r"state_lr=0\.0 is not allowed; expected a number > 0"),
     "zero-batch": (dict(batch_size=0), r"batch_size=0 is not allowed"),
     "negative-max-grad-norm": (
         dict(max_grad_norm=-1.0),
@@ -334,7 +340,7 @@ def test_heldout_blocks_follow_eval_block_size(tiny_models, tmp_path):
     """Trained on 16-token blocks, scored on 32-token ones: the held-out tensor has the eval length."""
     finetuner = Finetuner(tiny_config(tiny_models["llama"], tmp_path / "out", block_size=16, eval_block_size=32))
     assert finetuner.eval_ids.shape[1] == 32
-    assert finetuner.train_data.next_blocks(1).shape[1] == 16
+    assert [blocks.next_blocks(1).shape[1] for blocks in finetuner.train_data.values()] == [16]
 
 
 def test_the_recipe_trains_kept_specs_on_2048_token_blocks_held_out_on_1024(tmp_path):

@@ -44,12 +44,23 @@ trainer.save_checkpoint = save_and_maybe_die
 finetune(FinetuneConfig(**settings))
 """
 
-# stage 1: 3 steps, checkpoints at global steps 2, 3; stage 2 (LoRA): 4 steps, checkpoints at 5, 7
-SETTINGS = dict(attention="gated_softmax", transfer_steps=3, finetune_steps=4, save_every=2, eval_every=2)
+# stage 1: 3 steps, checkpoints at global steps 2, 3; stage 2 (LoRA): 4 steps, checkpoints at 5, 7;
+# stage 3 (the state on 32-token blocks): 3 steps, checkpoints at 9, 10
+SETTINGS = dict(
+    attention="gated_softmax",
+    transfer_steps=3,
+    finetune_steps=4,
+    state_steps=3,
+    state_block_size=32,
+    save_every=2,
+    eval_every=2,
+)
 KILLS = {
     "after-2nd-checkpoint-stage-boundary": (2, "after", 3),
     "after-3rd-checkpoint-inside-lora": (3, "after", 5),
     "before-rename-of-3rd-checkpoint": (2, "before-rename", 3),
+    "after-4th-checkpoint-before-the-state-stage": (4, "after", 7),
+    "after-5th-checkpoint-inside-the-state-stage": (5, "after", 9),
 }
 
 
@@ -97,6 +108,19 @@ def test_a_checkpoint_recorded_without_rnn_lr_trained_rnn_params_at_lr(tmp_path,
     recorded = {name: value for name, value in config.to_dict().items() if name != "rnn_lr"}
     expected = [] if rnn_lr is None else ["rnn_lr: checkpoint 0.01, now 0.5"]
     assert config.resume_conflicts(recorded) == expected
+
+
+def test_a_checkpoint_recorded_without_state_settings_trained_no_state_stage(tmp_path):
+    config = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax")
+    recorded = {name: value for name, value in config.to_dict().items() if not name.startswith("state_")}
+    assert config.resume_conflicts(_as_read_back(recorded)) == []
+    with_state = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax", state_steps=2)
+    assert with_state.resume_conflicts(_as_read_back(recorded)) == ["state_steps: checkpoint 0, now 2"]
+
+
+def _as_read_back(settings: dict) -> dict:
+    """`settings` as a checkpoint's JSON gives them back."""
+    return json.loads(json.dumps(settings))
 
 
 def test_existing_checkpoints_need_resume(tiny_models, tmp_path):

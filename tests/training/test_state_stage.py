@@ -1,0 +1,157 @@
+"""Stage 3: the converted layers' own parameters alone, distilled on blocks of their own length."""
+
+import json
+import re
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
+from hf_softmax_rnn.training.config import STATE_BLOCK_SIZE
+from hf_softmax_rnn.training.data import ShuffledBlocks
+from hf_softmax_rnn.training.metrics import read_metrics
+from tests.training.helpers import MAX_POSITIONS, VOCAB_SIZE, direct_perplexity, tiny_config, weights
+
+HYBRID = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
+#: LoRA on 16-token blocks (3 steps), then the state on 48-token blocks (2 steps)
+WITH_STATE = dict(attention=HYBRID, transfer_steps=0, finetune_steps=3, state_steps=2, state_block_size=48)
+
+
+@pytest.fixture(scope="module")
+def lora_then_state(tiny_models, tmp_path_factory):
+    """(result, output folder, block shapes read in order) of LoRA then the state stage on the tiny Llama."""
+    shapes = []
+    next_blocks = ShuffledBlocks.next_blocks
+
+    def recording(self, count):
+        blocks = next_blocks(self, count)
+        shapes.append(tuple(blocks.shape))
+        return blocks
+
+    out = tmp_path_factory.mktemp("lora_then_state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ShuffledBlocks, "next_blocks", recording)
+        result = finetune(tiny_config(tiny_models["llama"], out, **WITH_STATE))
+    return result, out, shapes
+
+
+def test_the_default_recipe_ends_with_ten_steps_of_the_state_on_4096_token_blocks(tmp_path):
+    config = FinetuneConfig(output_dir=str(tmp_path / "out"))
+    assert config.stage_names == ["finetune", "state"]
+    assert (config.state_steps, config.state_block_size, config.state_lr) == (10, STATE_BLOCK_SIZE, 1e-2)
+    assert config.block_size == 2048
+
+
+@pytest.mark.parametrize(
+    "attention", ["hedgehog_window_64", "hedgehog_window_256_sinks_4_decay", "linear_hedgehog", "gated_softmax"]
+)
+def test_other_recipes_have_no_state_stage_unless_asked(tmp_path, attention):
+    assert "state" not in FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention).stage_names
+    asked = FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention, state_steps=3)
+    assert asked.stage_names[-1] == "state" and asked.state_steps == 3
+
+
+def test_the_state_stage_reads_blocks_of_its_own_length_after_the_other_stages(lora_then_state):
+    result, out, shapes = lora_then_state
+    assert shapes == [(2, 16)] * 3 + [(2, 48)] * 2
+    assert list(result.evaluations) == ["base", "converted", "finetune", "state"]
+    saved = json.loads((out / "results.json").read_text())
+    assert [(s["name"], s["block_size"], s["tokens"]) for s in saved["stages"]] == [
+        ("finetune", 16, 3 * 2 * 16),
+        ("state", 48, 2 * 2 * 48),
+    ]
+    assert saved["evaluations"]["state"]["train_tokens"] == 2 * 2 * 48
+    assert (
+        "| state | 2 | 0.01 | rnn_params of the converted layers on 48-token blocks" in (out / "README.md").read_text()
+    )
+
+
+def test_the_state_stage_distils_from_the_unconverted_model(lora_then_state):
+    _, out, _ = lora_then_state
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r["stage"] == "state" and "loss" in r]
+    assert [r["step"] for r in records] == [4, 5]
+    assert all(r["loss"] == r["distill_kl"] > 0 for r in records)
+    assert all(r["lr"] <= 1e-2 for r in records)
+
+
+def test_the_state_stage_changes_only_rnn_params_of_the_lora_run(tiny_models, lora_then_state, tmp_path):
+    """The same run without stage 3 ends with the weights of stage 2: the state stage's run differs from it
+    in rnn_params alone, every one of which it moved."""
+    _, out, _ = lora_then_state
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "lora", **WITH_STATE | dict(state_steps=0)))
+    before, after = weights(tmp_path / "lora"), weights(out)
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert {name for name in changed if ".rnn_params." not in name} == set()
+    assert changed == {name for name in after if ".rnn_params." in name}
+
+
+def test_the_adapter_holds_the_state_stage_rnn_params(lora_then_state):
+    result, out, _ = lora_then_state
+    base = AutoModelForCausalLM.from_pretrained(out / "adapter_base")
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids = torch.randint(0, VOCAB_SIZE, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, result.model.eval()(ids).logits)
+
+
+def test_the_state_stage_perplexity_is_the_saved_models(tiny_models, lora_then_state):
+    result, out, _ = lora_then_state
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    expected = direct_perplexity(reloaded, tiny_models["llama"], 16, 6)
+    assert result.evaluations["state"]["perplexity"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_state_stage_alone_continues_a_full_fine_tuning(tiny_models, tmp_path):
+    """After full fine-tuning (no PEFT wrapper) the stage trains the layers' own rnn_params."""
+    settings = WITH_STATE | dict(finetune_method="full", finetune_steps=1)
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "full", **settings | dict(state_steps=0)))
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "state", **settings))
+    before, after = weights(tmp_path / "full"), weights(tmp_path / "state")
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert changed and all(".rnn_params." in name for name in changed)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            dict(attention="linear_elu", state_steps=2, finetune_steps=1),
+            r"--state-steps 2 trains the converted layers' own parameters \(rnn_params\), and this attention has none",
+        ),
+        (dict(attention=HYBRID, state_steps=1, state_block_size=MAX_POSITIONS + 1), r"state_block_size=65 is larger"),
+    ],
+    ids=["attention-without-parameters", "longer-than-the-model"],
+)
+def test_a_state_stage_that_cannot_train_is_refused_before_anything_is_written(
+    tiny_models, tmp_path, settings, message
+):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", **dict(transfer_steps=0) | settings)
+    with pytest.raises(UserInputError, match=message):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_little_data_for_one_state_block_names_its_flag(tiny_models, tmp_path):
+    """8 texts of 10 words: two 16-token blocks to train on, none of 48."""
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(
+        "".join(json.dumps({"text": "the value of a list is a sequence of items"}) + "\n" for _ in range(8))
+    )
+    config = tiny_config(
+        tiny_models["llama"], tmp_path / "out", **WITH_STATE | dict(dataset=str(texts), test_fraction=0.5)
+    )
+    with pytest.raises(UserInputError, match=re.escape("use a smaller --state-block-size or more data")):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_recipe_state_block_is_cut_to_the_models_positions(tiny_models, tmp_path, caplog):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=HYBRID, transfer_steps=0, state_steps=1)
+    assert config.state_block_size == STATE_BLOCK_SIZE
+    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.trainer"):
+        finetuner = Finetuner(config)
+    assert finetuner.stages[-1].block_size == MAX_POSITIONS
+    assert f"state_block_size={STATE_BLOCK_SIZE} is cut to the model's {MAX_POSITIONS} positions" in caplog.text
