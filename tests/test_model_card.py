@@ -105,6 +105,8 @@ def test_training_table_gives_each_stage_its_block_length_and_tokens():
     text = _card().text
     assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 |" in text
     assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 |" in text
+    assert "16 blocks per optimizer step (1 process)" in text
+    assert "1 block per optimizer step (1 process)" in _card(global_batch=1).text
 
 
 def test_local_base_model_and_data_stay_out_of_the_metadata():

@@ -27,6 +27,7 @@ from huggingface_hub import HfApi
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.data.corpus import SOURCE_SEPARATOR
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_ID
@@ -181,9 +182,25 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
     )
 
 
-def _plot_title(config) -> str:
-    layers = "all layers" if config.layers is None else f"layers {', '.join(map(str, config.layers))}"
-    return f"{layers}: {config.attention_spec.describe()}"
+def _plot_title(model: PreTrainedModel) -> str:
+    """The attention of `model`'s layers in words: each spec other than the base one with its layers (by the
+    fields in which it differs from the base when they are few, e.g. a retrieval layer's `kept`), then the base."""
+    config = model.config
+    base = AttentionSpec.coerce(config.attention).to_dict()
+    others: dict[str, list[int]] = {}
+    for index in range(config.num_hidden_layers):
+        spec = config.attention_spec(index).to_dict()
+        if spec != base:
+            others.setdefault(json.dumps(spec), []).append(index)
+    if not others:
+        return f"all layers: {AttentionSpec.from_dict(base).describe()}"
+    parts = []
+    for text, layers in others.items():
+        spec = json.loads(text)
+        differing = [f"{name} {value}" for name, value in spec.items() if base[name] != value]
+        words = ", ".join(differing) if len(differing) <= 2 else AttentionSpec.from_dict(spec).describe()
+        parts.append(f"layers {', '.join(map(str, layers))}: {words}")
+    return "; ".join([*parts, f"other layers: {AttentionSpec.from_dict(base).describe()}"])
 
 
 def save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
@@ -214,7 +231,7 @@ def _save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
             "config": portable_config(run),
         }
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-        plot_loss_curves(read_metrics(output_dir / METRICS_FILE), output_dir / PLOT_FILE, title=_plot_title(run.config))
+        plot_loss_curves(read_metrics(output_dir / METRICS_FILE), output_dir / PLOT_FILE, title=_plot_title(model))
         _model_card(run, model, has_adapter).save(output_dir / "README.md")
         logger.info("Saved the trained model, metrics and model card to %s", output_dir)
     return model

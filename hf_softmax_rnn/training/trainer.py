@@ -61,13 +61,7 @@ from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION,
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
-from hf_softmax_rnn.training.stages import (
-    RNN_PARAMS,
-    Stage,
-    build_stages,
-    heldout_layer_mse,
-    lora_targets,
-)
+from hf_softmax_rnn.training.stages import RNN_PARAMS, Stage, build_stages, heldout_layer_mse, lora_targets
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
@@ -248,13 +242,13 @@ class Finetuner:
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
-            "Global batch %d blocks (%s) (%d per process x %d processes x %d accumulation); %d held-out "
+            "Global batch %d blocks (%d per process x %d processes x %d accumulation) of %s tokens; %d held-out "
             "blocks; distributed: %s",
             self.global_batch,
-            ", ".join(f"{stage.block_size} tokens in {stage.name}" for stage in self.stages),
             config.batch_size,
             self.accelerator.num_processes,
             config.grad_accum,
+            ", ".join(f"{stage.block_size} ({stage.name})" for stage in self.stages),
             len(self.eval_ids),
             self.accelerator.distributed_type.value,
         )

@@ -169,3 +169,21 @@ def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
     assert results["stages"] == summary.stages
     assert results["evaluations"] == json.loads(json.dumps(summary.evaluations))
     assert results["global_step"] == summary.global_step
+
+
+def test_the_plot_title_names_the_layers_whose_attention_differs(tiny_models):
+    hybrid = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
+    words = AttentionSpec(**hybrid).describe()
+
+    def title(attention, **settings) -> str:
+        return outputs._plot_title(
+            convert(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), attention, **settings)
+        )
+
+    assert title(hybrid) == f"all layers: {words}"
+    assert (
+        title(hybrid, layer_attention={1: AttentionSpec(**hybrid | dict(kept=8))})
+        == f"layers 1: kept 8; other layers: {words}"
+    )
+    softmax = AttentionSpec.from_preset("softmax").describe()
+    assert title(hybrid, layers=[0]) == f"layers 1: {softmax}; other layers: {words}"
