@@ -393,8 +393,8 @@ class FinetuneConfig:
     )
     state_block_size: int | None = option(
         None,
-        "tokens per training block of the stage (longer than the exact part of every layer: window, sinks and kept "
-        "positions)",
+        "tokens per training block of the stage: more than a layer's exact part (window, sinks and kept positions), "
+        "past which its finite state is read",
         group=_STATE,
         **{SHOWN_DEFAULT: f"{STATE_BLOCK_SIZE}, cut to the model's positions"},
     )
@@ -472,6 +472,7 @@ class FinetuneConfig:
             self.retrieval_kept = RETRIEVAL_KEPT
         self.attention_spec = parse_attention(self.attention)
         self.retrieval_layers_from_recipe = self.retrieval_layers is None
+        self.state_steps_from_recipe = self.state_steps is None
         # the block sizes the recipe chooses (the user gave neither): cut to the model's positions if longer
         self.blocks_from_recipe = ("block_size",) if self.block_size is None else ()
         if self.blocks_from_recipe and self.eval_block_size is None:

@@ -212,6 +212,7 @@ class Finetuner:
             )
             if config.gradient_checkpointing:
                 self.converted.activation_checkpointing_enable({"use_reentrant": False})
+            self._check_state_block()
             teacher = self.base_model.requires_grad_(False) if config.needs_teacher else None
             self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets, teacher=teacher)
         with self.accelerator.main_process_first(), user_input_checks():  # too little data for one block
@@ -494,6 +495,34 @@ class Finetuner:
             f"Stage {stage.name}: training diverged at step {step} ({problem}); lower the {stage.learning_rates()} "
             f"or --max-grad-norm and start a new run with --overwrite ({kept}; no model was written)"
         )
+
+    def _check_state_block(self) -> None:
+        """A state stage whose blocks fit in the exact part of every converted layer with a finite state would
+        train nothing: the recipe's is left out with a warning, one the user asked for is refused."""
+        config = self.config
+        exact = [
+            module.attention_spec.exact_positions
+            for module in softmax_rnn_attention_modules(self.converted)
+            if module.is_converted and module.attention_spec.has_finite_state
+        ]
+        if not (config.state_steps and exact and config.state_block_size <= min(exact)):
+            return
+        reason = (
+            f"a {config.state_block_size}-token block fits in the exact part of every converted layer (window, sinks "
+            f"and kept positions: at least {min(exact)}), so no finite state would get any training"
+        )
+        if not config.state_steps_from_recipe:
+            raise UserInputError(
+                f"--state-block-size {config.state_block_size} is not allowed: {reason}; use more than {min(exact)} "
+                "tokens, or --state-steps 0"
+            )
+        logger.warning("No state stage: %s", reason)
+        config.state_steps = 0
+        if not config.stage_names:
+            raise UserInputError(
+                f"Nothing to train: the recipe's state stage is left out ({reason}) and --transfer-steps and "
+                "--finetune-steps are 0; set one of them > 0"
+            )
 
     def _log_states_without_training(self) -> None:
         """Name the converted layers whose exact part holds every key of a training block: their finite state

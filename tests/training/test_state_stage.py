@@ -155,3 +155,34 @@ def test_the_recipe_state_block_is_cut_to_the_models_positions(tiny_models, tmp_
         finetuner = Finetuner(config)
     assert finetuner.stages[-1].block_size == MAX_POSITIONS
     assert f"state_block_size={STATE_BLOCK_SIZE} is cut to the model's {MAX_POSITIONS} positions" in caplog.text
+
+
+def test_a_state_block_within_every_exact_part_is_refused(tiny_models, tmp_path):
+    """Window 4 + 1 sink + 2 kept: a query of a 7-token block reads every key exactly."""
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", **WITH_STATE | dict(state_block_size=7))
+    with pytest.raises(UserInputError, match=r"--state-block-size 7 is not allowed: a 7-token block fits in the exact"):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+#: A wide window with kept positions (the recipe gives it a state stage) and 512 exact positions: more than the
+#: tiny model's 64, to which the recipe's 4,096-token state blocks are cut
+WIDE = dict(kind="linear", feature_map="elu", window=256, kept=256, chunk_size=4)
+
+
+def test_the_recipe_state_stage_is_left_out_where_the_model_is_too_short_to_train_the_state(
+    tiny_models, tmp_path, caplog
+):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=WIDE, transfer_steps=0, finetune_steps=1)
+    assert config.state_steps == 10
+    with caplog.at_level("WARNING", logger="hf_softmax_rnn.training.trainer"):
+        finetuner = Finetuner(config)
+    assert [stage.name for stage in finetuner.stages] == ["finetune"]
+    assert "No state stage: a 64-token block fits in the exact part of every converted layer" in caplog.text
+
+
+def test_a_run_left_with_nothing_to_train_without_the_recipe_state_stage_is_refused(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=WIDE, transfer_steps=0, finetune_steps=0)
+    with pytest.raises(UserInputError, match=r"Nothing to train: the recipe's state stage is left out"):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
