@@ -186,3 +186,24 @@ def test_a_run_left_with_nothing_to_train_without_the_recipe_state_stage_is_refu
     with pytest.raises(UserInputError, match=r"Nothing to train: the recipe's state stage is left out"):
         Finetuner(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_state_stage_of_one_run_equals_a_second_run_on_its_saved_model(tiny_models, tmp_path):
+    """Stages 2 and 3 in one run end where stage 2, saved, then stage 3 alone on the saved model (`--model
+    <folder> --teacher <original> --finetune-steps 0`) end."""
+    settings = WITH_STATE | dict(finetune_method="full", finetune_steps=2)
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "one", **settings))
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "stage_2", **settings | dict(state_steps=0)))
+    finetune(
+        tiny_config(
+            str(tmp_path / "stage_2"),
+            tmp_path / "stage_3",
+            **{**settings, "attention": None, "finetune_steps": 0, "teacher": tiny_models["llama"]},
+        )
+    )
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "stage_3")
+    assert one.keys() == two.keys()
+    stage_2 = weights(tmp_path / "stage_2")
+    assert any(not torch.equal(two[name], stage_2[name]) for name in two)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-6, msg=name)
