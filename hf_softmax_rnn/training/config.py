@@ -160,7 +160,7 @@ def _same_dataset(saved: Any, current: Any) -> bool:
 #: Settings a checkpoint's record may lack, with the setting whose value its run used for them.
 SET_AS_BEFORE = {"rnn_lr": "lr"}
 #: Settings a checkpoint's record may lack, with the value its run had (it trained no state stage).
-HAD_BEFORE = {"state_steps": 0}
+UNRECORDED_VALUES = {"state_steps": 0}
 #: The settings of the state stage beside its step count, compared only where both runs train it.
 STATE_SETTINGS = ("state_block_size", "state_lr")
 #: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
@@ -691,7 +691,7 @@ class FinetuneConfig:
         state stage's settings to a run without it)."""
         current = self.to_dict()
         backfilled = {name: saved[older] for name, older in SET_AS_BEFORE.items() if older in saved}
-        saved = HAD_BEFORE | backfilled | saved
+        saved = UNRECORDED_VALUES | backfilled | saved
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         ignored = RESUMABLE_CHANGES | (set(LORA_DEFAULTS) if self.finetune_method != "lora" else set())
         if not (self.state_steps and saved["state_steps"]):  # the step counts differ, or no state stage at all

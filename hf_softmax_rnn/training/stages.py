@@ -125,14 +125,15 @@ def _freeze_all_but(model: nn.Module, trainable: list[nn.Module]) -> None:
         module.requires_grad_(True)
 
 
-def _rnn_params_in_use(model: nn.Module) -> list[nn.Module]:
-    """Each attention layer's `rnn_params` as its forward uses them: inside a LoRA model, the trained copy
-    that PEFT's `modules_to_save` wrapper holds (its original stays frozen)."""
-    modules = [module.rnn_params for module in softmax_rnn_attention_modules(model)]
-    return [
+def _train_rnn_params_alone(model: nn.Module) -> nn.Module:
+    """Freeze `model` but each attention layer's `rnn_params` as its forward uses them: inside a LoRA model, the
+    trained copy that PEFT's `modules_to_save` wrapper holds (its original stays frozen)."""
+    in_use = [
         params.modules_to_save[params.active_adapter] if isinstance(params, ModulesToSaveWrapper) else params
-        for params in modules
+        for params in (module.rnn_params for module in softmax_rnn_attention_modules(model))
     ]
+    _freeze_all_but(model, in_use)
+    return model
 
 
 @dataclass
@@ -249,15 +250,11 @@ def finetune_stage(
     def setup_full(model: nn.Module) -> nn.Module:
         return model.requires_grad_(True)
 
-    def setup_rnn(model: nn.Module) -> nn.Module:
-        _freeze_all_but(model, _rnn_params_in_use(model))
-        return model
-
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
         in_full = f", rnn_params in full{at_rnn_lr}" if with_rnn_params else ""
         return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
 
-    setups = {"lora": setup_lora, "full": setup_full, "rnn": setup_rnn}
+    setups = {"lora": setup_lora, "full": setup_full, "rnn": _train_rnn_params_alone}
     losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
     words, loss = losses[config.finetune_loss]
     full_words = f"all parameters{'' if rnn_lr is None else f', rnn_params{at_rnn_lr}'}"
@@ -275,7 +272,7 @@ def finetune_stage(
     )
 
 
-def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Module) -> Stage:
+def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Module | None) -> Stage:
     """The stage-3 `Stage`: `rnn_params` alone on `config.state_block_size`-token blocks, distilled from `teacher`."""
     if teacher is None:
         raise ValueError("The state stage distils from the unconverted model: pass it as `teacher`")
@@ -284,10 +281,6 @@ def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Mo
             f"--state-steps {config.state_steps} trains the converted layers' own parameters (rnn_params), and this "
             "attention has none (no feature map, decay, gate or normaliser weights to learn); set --state-steps 0"
         )
-
-    def setup(model: nn.Module) -> nn.Module:
-        _freeze_all_but(model, _rnn_params_in_use(model))
-        return model
 
     trains = (
         f"rnn_params of the converted layers on {config.state_block_size:,}-token blocks (KL to the unconverted "
@@ -299,7 +292,7 @@ def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Mo
         config.state_lr,
         config.state_block_size,
         trains,
-        setup,
+        _train_rnn_params_alone,
         _distill_loss(teacher),
         block_size_flag="--state-block-size",
     )
