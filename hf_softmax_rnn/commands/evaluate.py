@@ -51,8 +51,7 @@ class EvaluateOptions:
     original: str | None = option(
         None,
         "the model to compare with; default: the --teacher, else the --model, named in the folder's results.json (a "
-        "`finetune` output), "
-        "else 'default'; 'none' for no comparison",
+        "`finetune` output), else 'default'; 'none' for no comparison",
     )
     texts: str = option(
         DEFAULT_EVAL_TEXTS,

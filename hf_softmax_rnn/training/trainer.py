@@ -496,15 +496,20 @@ class Finetuner:
             f"or --max-grad-norm and start a new run with --overwrite ({kept}; no model was written)"
         )
 
+    def _exact_positions_of_finite_states(self) -> dict[int, int]:
+        """{layer index: positions its exact part scores (window, sinks, kept)} of each converted layer with a
+        finite state: a training block must be longer for that state to be read."""
+        return {
+            module.layer_idx: module.attention_spec.exact_positions
+            for module in softmax_rnn_attention_modules(self.converted)
+            if module.is_converted and module.attention_spec.has_finite_state
+        }
+
     def _check_state_block(self) -> None:
         """A state stage whose blocks fit in the exact part of every converted layer with a finite state would
         train nothing: the recipe's is left out with a warning, one the user asked for is refused."""
         config = self.config
-        exact = [
-            module.attention_spec.exact_positions
-            for module in softmax_rnn_attention_modules(self.converted)
-            if module.is_converted and module.attention_spec.has_finite_state
-        ]
+        exact = self._exact_positions_of_finite_states().values()
         if not (config.state_steps and exact and config.state_block_size <= min(exact)):
             return
         reason = (
@@ -528,13 +533,7 @@ class Finetuner:
         """Name the converted layers whose exact part holds every key of a training block: their finite state
         stays empty in training, so the parameters that only it uses (feature maps, decay) keep their values."""
         block = max(stage.block_size for stage in self.stages)
-        layers = {
-            module.layer_idx: module.attention_spec.exact_positions
-            for module in softmax_rnn_attention_modules(self.converted)
-            if module.is_converted
-            and module.attention_spec.has_finite_state
-            and module.attention_spec.exact_positions >= block
-        }
+        layers = {layer: exact for layer, exact in self._exact_positions_of_finite_states().items() if exact >= block}
         if layers:
             logger.info(
                 "Layers %s score every key of a %d-token training block exactly (window, sinks and kept positions: "
