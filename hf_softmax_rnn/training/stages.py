@@ -136,6 +136,17 @@ def _train_rnn_params_alone(model: nn.Module) -> nn.Module:
     return model
 
 
+def set_activation_checkpointing(model: nn.Module, enable: bool) -> None:
+    """Recompute each decoder layer of `model` (a transformers model) in the backward pass, non-reentrant, or keep
+    its activations."""
+    if enable == model.is_activation_checkpointing:
+        return
+    if enable:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.activation_checkpointing_disable()
+
+
 @dataclass
 class Stage:
     """One training stage. `trains` says in words what it trains; `setup(model)` returns the
@@ -159,6 +170,8 @@ class Stage:
     #: learning rate of the parameters inside the converted layers' `rnn_params` where it differs from
     #: `learning_rate` (None: the same)
     rnn_learning_rate: float | None = None
+    #: recompute each decoder layer in the backward pass of this stage, whatever the run's setting for the others
+    activation_checkpointing: bool = False
 
     def learning_rates(self) -> str:
         """The stage's learning rate in words, and that of rnn_params where it differs."""
@@ -295,6 +308,7 @@ def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Mo
         _train_rnn_params_alone,
         _distill_loss(teacher),
         block_size_flag="--state-block-size",
+        activation_checkpointing=config.state_gradient_checkpointing,
     )
 
 

@@ -61,7 +61,14 @@ from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION,
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
-from hf_softmax_rnn.training.stages import RNN_PARAMS, Stage, build_stages, heldout_layer_mse, lora_targets
+from hf_softmax_rnn.training.stages import (
+    RNN_PARAMS,
+    Stage,
+    build_stages,
+    heldout_layer_mse,
+    lora_targets,
+    set_activation_checkpointing,
+)
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
 
 logger = logging.getLogger(__name__)
@@ -210,8 +217,6 @@ class Finetuner:
                     layer_attention=self._retrieval_layer_attention(texts["train"]),
                 )
             )
-            if config.gradient_checkpointing:
-                self.converted.activation_checkpointing_enable({"use_reentrant": False})
             self._check_state_block()
             teacher = self.base_model.requires_grad_(False) if config.needs_teacher else None
             self.stages = build_stages(config, self.converted, lora_target_names=self.lora_targets, teacher=teacher)
@@ -420,6 +425,7 @@ class Finetuner:
     def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:
         config, accelerator = self.config, self.accelerator
         set_seed(config.seed + index)
+        set_activation_checkpointing(self.converted, config.gradient_checkpointing or stage.activation_checkpointing)
         trainable = stage.setup(model)
         count = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
         logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")

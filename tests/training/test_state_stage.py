@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.layers.attention import SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from hf_softmax_rnn.training.config import STATE_BLOCK_SIZE
 from hf_softmax_rnn.training.data import ShuffledBlocks
@@ -112,6 +114,40 @@ def test_the_state_stage_alone_continues_a_full_fine_tuning(tiny_models, tmp_pat
     before, after = weights(tmp_path / "full"), weights(tmp_path / "state")
     changed = {name for name in after if not torch.equal(after[name], before[name])}
     assert changed and all(".rnn_params." in name for name in changed)
+
+
+def test_the_state_stage_alone_recomputes_each_layer_and_trains_the_weights_of_a_run_that_keeps_them(
+    tiny_models, tmp_path, monkeypatch
+):
+    """By default only stage 3 (48-token blocks) runs each converted layer's training forward twice (once more in
+    the backward pass); --no-state-gradient-checkpointing keeps its activations, --gradient-checkpointing recomputes
+    in every stage, and the three runs end with the same weights."""
+    forward = SoftmaxRNNLlamaAttention.forward
+    calls = Counter()  # training forwards of a converted layer, by block length
+
+    def counted(self, hidden_states, *args, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            calls[hidden_states.shape[1]] += 1
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(SoftmaxRNNLlamaAttention, "forward", counted)
+    runs = {}
+    for name, settings in {
+        "default": {},
+        "kept": dict(state_gradient_checkpointing=False),
+        "every stage": dict(gradient_checkpointing=True),
+    }.items():
+        calls.clear()
+        finetune(tiny_config(tiny_models["llama"], tmp_path / name, **WITH_STATE | settings))
+        runs[name] = (dict(calls), weights(tmp_path / name))
+    kept = runs["kept"][0]
+    assert kept[16] > 0 and kept[48] > 0
+    assert runs["default"][0] == {16: kept[16], 48: 2 * kept[48]}
+    assert runs["every stage"][0] == {16: 2 * kept[16], 48: 2 * kept[48]}
+    for name in ("default", "every stage"):
+        assert runs[name][1].keys() == runs["kept"][1].keys()
+        for weight, value in runs["kept"][1].items():
+            torch.testing.assert_close(runs[name][1][weight], value, atol=1e-6, rtol=1e-5, msg=f"{name}: {weight}")
 
 
 @pytest.mark.parametrize(
