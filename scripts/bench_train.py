@@ -16,6 +16,11 @@ reported as such.
     python scripts/bench_train.py --device cuda --output gpu_results/bench_train   # 32,768 tokens x 2k/8k/32k
     python scripts/bench_train.py --layers 2 --tokens-per-step 256 --lengths 64 128 --output /tmp/bench_train
 
+`--checkpointed MODEL ...` also times those models (`transformers` or names from `--presets`) with
+activation checkpointing ("MODEL checkpointed": each decoder layer recomputed in the backward pass, as
+`finetune --gradient-checkpointing` does), interleaved with the rest: what recomputing costs in time
+and saves in memory, each against the same model keeping its activations.
+
 `--unsegmented PRESET ...` also times those presets with fla's rows left whole ("PRESET unsegmented",
 `hf_softmax_rnn.ops.backends.state_segments(0)`), interleaved with the rest: the gain of cutting
 rows over 2,048 tokens into segments that run side by side (CUDA with fla-core only; elsewhere the
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import logging
 import statistics
@@ -68,6 +74,7 @@ DEFAULT_TOKENS = 32768
 TARGETS = {2048: 0.9, 8192: 1.3, 32768: 2.0}
 OUT_OF_MEMORY = "out of memory"
 UNSEGMENTED = "unsegmented"
+CHECKPOINTED = "checkpointed"
 
 
 @dataclass
@@ -229,7 +236,8 @@ def _gib(peak: int | None) -> str:
 
 
 def summary(measurements: list[Measurement]) -> list[str]:
-    """The issue's targets for hedgehog_window_64 and linear_elu, where both sides were measured."""
+    """The targets for hedgehog_window_64 and linear_elu, and each checkpointed model against the same model
+    keeping its activations, where both sides were measured."""
     rate = {(m.model, m.length): m.tokens_per_s for m in measurements}
     lines = []
     for (name, length), value in rate.items():
@@ -239,6 +247,16 @@ def summary(measurements: list[Measurement]) -> list[str]:
         target = TARGETS.get(length) if name == "hedgehog_window_64" else 1.0 if name == "linear_elu" else None
         if target is not None:
             lines.append(f"- `{name}` at L={length}: {value / baseline:.2f}x {BASELINE} (target >= {target}x)")
+    cell = {(m.model, m.length): m for m in measurements}
+    for m in measurements:
+        plain = cell.get((m.model.removesuffix(f" {CHECKPOINTED}"), m.length))
+        if not m.model.endswith(f" {CHECKPOINTED}") or plain is None or None in (m.tokens_per_s, plain.tokens_per_s):
+            continue
+        memory = f", peak {_gib(m.peak_bytes)} against {_gib(plain.peak_bytes)} GiB" if m.peak_bytes else ""
+        lines.append(
+            f"- `{m.model}` at L={m.length}: {m.tokens_per_s / plain.tokens_per_s:.2f}x the tokens/s of "
+            f"`{plain.model}`{memory}"
+        )
     return lines
 
 
@@ -262,6 +280,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=list(DEFAULT_PRESETS),
         help=f"converted models, timed beside '{BASELINE}' (default: {' '.join(DEFAULT_PRESETS)})",
+    )
+    parser.add_argument(
+        "--checkpointed",
+        nargs="+",
+        default=[],
+        metavar="MODEL",
+        help=f"also time these models ('{BASELINE}' or names from --presets) with activation checkpointing "
+        f"('MODEL {CHECKPOINTED}'; default: none)",
     )
     parser.add_argument(
         "--unsegmented",
@@ -307,6 +333,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     stray = [name for name in args.unsegmented if name not in args.presets]
     if stray:
         parser.error(f"--unsegmented {' '.join(stray)}: not in --presets; expected names from {' '.join(args.presets)}")
+    timed = [BASELINE, *args.presets]
+    stray = [name for name in args.checkpointed if name not in timed]
+    if stray:
+        parser.error(f"--checkpointed {' '.join(stray)}: not timed; expected names from {' '.join(timed)}")
+    if args.checkpointed and args.gradient_checkpointing:
+        parser.error(
+            "--checkpointed is not allowed with --gradient-checkpointing, where every model recomputes its layers; "
+            "pass one of them"
+        )
     bad = [n for n in args.lengths if n < 1 or args.tokens_per_step % n]
     if bad or sorted(set(args.lengths)) != args.lengths:
         parser.error(
@@ -336,10 +371,19 @@ def main(argv: list[str] | None = None) -> None:
         )
         for name in args.unsegmented
     ]
+    checkpointed = [
+        Trainer(
+            f"{name} {CHECKPOINTED}",
+            copy.deepcopy(base_model) if name == BASELINE else convert(base_model, name, attention_mode="chunked"),
+            device,
+            compiled=compiled,
+        )
+        for name in args.checkpointed
+    ]
     trainers.insert(0, Trainer(BASELINE, base_model, device, compiled=compiled))
-    if args.gradient_checkpointing:
-        for trainer in trainers:
-            trainer.model.activation_checkpointing_enable({"use_reentrant": False})
+    for trainer in trainers + checkpointed if args.gradient_checkpointing else checkpointed:
+        trainer.model.activation_checkpointing_enable({"use_reentrant": False})
+    trainers += checkpointed
     hardware = hardware_name(device)
     precision = "bfloat16 autocast" if device.type == "cuda" else "float32"
     title = (

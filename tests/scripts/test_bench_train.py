@@ -2,6 +2,7 @@
 models, training steps at two lengths of the same tokens per step; bad settings refused."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -127,12 +128,10 @@ def test_training_steps_change_the_weights_of_every_model(tmp_path, monkeypatch)
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
-def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkeypatch):
-    """--gradient-checkpointing: each decoder layer of every model (the original too) runs its forward
-    twice per training step, against once without the flag (counted at each layer's MLP)."""
+def _count_mlp_calls(monkeypatch) -> list[int]:
+    """A list that grows by one at every forward of a Llama decoder layer's MLP."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    module = _load_script(monkeypatch)
     forward, calls = LlamaMLP.forward, []
 
     def counted(self, *args, **kwargs):
@@ -140,6 +139,14 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaMLP, "forward", counted)
+    return calls
+
+
+def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkeypatch):
+    """--gradient-checkpointing: each decoder layer of every model (the original too) runs its forward
+    twice per training step, against once without the flag (counted at each layer's MLP)."""
+    module = _load_script(monkeypatch)
+    calls = _count_mlp_calls(monkeypatch)
     counts = {}
     for flag in ([], ["--gradient-checkpointing"]):
         calls.clear()
@@ -151,6 +158,27 @@ def test_gradient_checkpointing_recomputes_every_model_s_layers(tmp_path, monkey
         assert ("activation checkpointing" in title) == bool(flag)
     layers, models, steps = 2, 2, 2  # the config's layers, transformers + linear_elu, warm-up + timed
     assert counts == {False: layers * models * steps, True: 2 * layers * models * steps}
+
+
+def test_checkpointed_models_recompute_their_layers_beside_the_same_models_keeping_them(tmp_path, monkeypatch, capsys):
+    """--checkpointed transformers linear_elu: two more rows whose decoder layers run their forward twice per
+    step (counted at each layer's MLP), timed beside the plain ones and set against them in the summary."""
+    module = _load_script(monkeypatch)
+    calls = _count_mlp_calls(monkeypatch)
+    output = tmp_path / "bench"
+    argv = ["--model", str(_config_dir(tmp_path)), "--presets", "linear_elu", "--lengths", "16",
+            "--checkpointed", "transformers", "linear_elu", "--tokens-per-step", "32", "--steps", "1",
+            "--warmup", "1", "--output", str(output)]  # fmt: skip
+    module.main(argv)
+    result = json.loads((output / "bench_train.json").read_text())
+    models = [m["model"] for m in result["measurements"]]
+    assert models == ["transformers", "linear_elu", "transformers checkpointed", "linear_elu checkpointed"]
+    assert all(m["tokens_per_s"] > 0 for m in result["measurements"])
+    layers, steps = 2, 2  # the config's layers, warm-up + timed
+    assert len(calls) == layers * steps * (2 + 2 * 2)
+    out = capsys.readouterr().out
+    for name in ("transformers", "linear_elu"):
+        assert re.search(rf"- `{name} checkpointed` at L=16: \d+\.\d\dx the tokens/s of `{name}`", out)
 
 
 def test_compile_runs_every_model_s_forward_through_torch_compile(tmp_path, monkeypatch):
@@ -212,6 +240,14 @@ def test_unsegmented_presets_are_timed_with_fla_s_rows_left_whole(tmp_path, monk
             ["--presets", "linear_elu", "--unsegmented", "hedgehog_window_64"],
             "--unsegmented hedgehog_window_64: not in --presets; expected names from linear_elu",
         ),
+        (
+            ["--presets", "linear_elu", "--checkpointed", "hedgehog_window_64"],
+            "--checkpointed hedgehog_window_64: not timed; expected names from transformers linear_elu",
+        ),
+        (
+            ["--presets", "linear_elu", "--checkpointed", "linear_elu", "--gradient-checkpointing"],
+            "--checkpointed is not allowed with --gradient-checkpointing",
+        ),
         (["--model", "/nonexistent"], "--model='/nonexistent' is not allowed; expected a folder with a config.json"),
     ],
     ids=[
@@ -223,6 +259,8 @@ def test_unsegmented_presets_are_timed_with_fla_s_rows_left_whole(tmp_path, monk
         "unknown_preset",
         "cuda_without_gpu",
         "unsegmented_not_timed",
+        "checkpointed_not_timed",
+        "checkpointed_with_every_model_checkpointed",
         "missing_config",
     ],  # fmt: skip
 )
