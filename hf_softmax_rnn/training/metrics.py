@@ -7,10 +7,18 @@ import json
 import logging
 import math
 import os
+import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 from hf_softmax_rnn.errors import UserInputError
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +29,18 @@ TENSORBOARD_DIR = "runs"
 #: Evaluation points before any training (stages log under their own names).
 BEFORE_CONVERSION = "base"
 AFTER_CONVERSION = "converted"
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak memory so far, in GB: `resident_gb` (what the operating system counted, where it
+    tells) and, on CUDA, `cuda_allocated_gb` (the most the allocator held for tensors)."""
+    peak = {}
+    if resource is not None:
+        kilobytes = 1 / 1024 if sys.platform == "darwin" else 1  # macOS counts bytes, Linux kilobytes
+        peak["resident_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kilobytes * 1024 / 1e9, 2)
+    if device.type == "cuda":
+        peak["cuda_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    return peak
 
 
 class MetricsLogger:

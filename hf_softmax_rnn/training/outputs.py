@@ -84,8 +84,9 @@ class PushToHubError(CommandError):
 class RunSummary:
     """What the outputs of a finished run record (built by the trainer): its settings and folder, the
     tokenizer saved with the model, the held-out metrics per point of the run, one dict per trained
-    stage (name, steps, learning_rate, trains, trainable_parameters, tokens), the global step and batch,
-    the number of processes and this process's wall time in seconds."""
+    stage (name, steps, learning_rate, trains, trainable_parameters, block_size, tokens, seconds_this_process),
+    the global step and batch, the number of processes, this process's wall time in seconds and its peak memory
+    in GB (`hf_softmax_rnn.training.metrics.peak_memory`)."""
 
     config: FinetuneConfig
     output_dir: Path
@@ -96,6 +97,7 @@ class RunSummary:
     global_batch: int
     num_processes: int
     seconds: float
+    peak_memory: dict[str, float]
 
 
 def save_model(model: PreTrainedModel, tokenizer, path: Path) -> None:
@@ -228,6 +230,7 @@ def _save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
             "global_step": run.global_step,
             "num_processes": run.num_processes,
             "seconds_this_process": round(run.seconds, 1),
+            "peak_memory_this_process": run.peak_memory,
             "config": portable_config(run),
         }
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))

@@ -57,7 +57,7 @@ from hf_softmax_rnn.training.checkpointing import (
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks, eval_blocks, split_global_batch, train_blocks
 from hf_softmax_rnn.training.long_context_run import ORIGINAL, TRAINED, LongContextRun
-from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger
+from hf_softmax_rnn.training.metrics import AFTER_CONVERSION, BEFORE_CONVERSION, MetricsLogger, peak_memory
 from hf_softmax_rnn.training.optim import weight_decay_groups
 from hf_softmax_rnn.training.output_dir import PREVIOUS_RUN, check_output_dir, claim_output_dir
 from hf_softmax_rnn.training.outputs import RESULTS_FILE, RunSummary, publish, save_outputs
@@ -81,8 +81,9 @@ _SHAPE_SETTINGS = ("vocab_size", "num_hidden_layers", "hidden_size", "num_attent
 class FinetuneResult:
     """What a run produced: the trained model (LoRA merged), its tokenizer, the held-out
     metrics per point of the run ("base", "converted", then each stage; a stage's entry also holds
-    its `train_tokens`), the output folder, and the wall time of each stage trained by this process
-    (seconds; a resumed stage counts only its part after the resume)."""
+    its `train_tokens`), the output folder, the wall time of each stage trained by this process
+    (seconds; a resumed stage counts only its part after the resume) and the process's peak memory
+    by the end of training (`peak_memory`)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -90,6 +91,7 @@ class FinetuneResult:
     output_dir: Path
     stage_seconds: dict[str, float] = field(default_factory=dict)
     long_context: dict | None = None
+    peak_memory: dict[str, float] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -393,7 +395,13 @@ class Finetuner:
         if self.accelerator.is_main_process:
             publish(self.config, self.output_dir)
         return FinetuneResult(
-            model, self.tokenizer, dict(self.state.evaluations), self.output_dir, dict(self.stage_seconds), long_context
+            model,
+            self.tokenizer,
+            dict(self.state.evaluations),
+            self.output_dir,
+            dict(self.stage_seconds),
+            long_context,
+            summary.peak_memory,
         )
 
     def summary(self, *, seconds: float) -> RunSummary:
@@ -407,6 +415,7 @@ class Finetuner:
                 "trainable_parameters": self.state.trainable_parameters.get(stage.name),
                 "block_size": stage.block_size,
                 "tokens": stage.steps * self.global_batch * stage.block_size,
+                "seconds_this_process": self.stage_seconds.get(stage.name),
             }
             for stage in self.stages
         ]
@@ -420,6 +429,7 @@ class Finetuner:
             global_batch=self.global_batch,
             num_processes=self.accelerator.num_processes,
             seconds=seconds,
+            peak_memory=peak_memory(self.accelerator.device),
         )
 
     def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:

@@ -14,9 +14,35 @@ from hf_softmax_rnn.commands.finetune import summary
 from hf_softmax_rnn.training.config import FinetuneConfig
 
 
-def _summary_of(perplexities: dict[str, float]) -> str:
-    result = SimpleNamespace(output_dir="out", evaluations={p: {"perplexity": v} for p, v in perplexities.items()})
-    return summary(result)
+def _summary_of(perplexities: dict[str, float], **measured) -> str:
+    evaluations = {p: {"perplexity": v} for p, v in perplexities.items()}
+    defaults = dict(output_dir="out", evaluations=evaluations, stage_seconds={}, peak_memory={})
+    return summary(SimpleNamespace(**defaults | measured))
+
+
+@pytest.mark.parametrize(
+    ("measured", "line"),
+    [
+        (
+            dict(stage_seconds={"finetune": 583.4, "state": 59.6}, peak_memory={"resident_gb": 11.43}),
+            "  training: finetune 9 min 43 s, state 1 min 0 s; peak memory 11.43 GB resident",
+        ),
+        (
+            dict(peak_memory={"resident_gb": 5.0, "cuda_allocated_gb": 3.2}),
+            "  peak memory 5.00 GB resident, 3.20 GB CUDA tensors",
+        ),
+        (dict(stage_seconds={"state": 61.0}), "  training: state 1 min 1 s"),
+    ],
+    ids=["cpu", "cuda-nothing-trained-here", "no-memory-count"],
+)
+def test_summary_reports_each_stage_s_time_and_the_peak_memory(measured, line):
+    lines = _summary_of({"base": 10.0, "state": 10.5}, **measured).splitlines()
+    assert lines[-2] == line
+    assert json.loads(lines[-1]) == {"base": 10.0, "state": 10.5}
+
+
+def test_summary_of_a_run_that_measured_nothing_has_no_time_or_memory_line():
+    assert len(_summary_of({"base": 10.0, "state": 10.5}).splitlines()) == 5
 
 
 @pytest.mark.parametrize(

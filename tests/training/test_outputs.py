@@ -162,6 +162,7 @@ def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
         "global_batch",
         "num_processes",
         "seconds",
+        "peak_memory",
     ]
     assert (summary.global_step, summary.num_processes) == (3, 1)
     assert [(stage["name"], stage["steps"]) for stage in summary.stages] == [("transfer", 1), ("finetune", 2)]
@@ -169,6 +170,23 @@ def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
     assert results["stages"] == summary.stages
     assert results["evaluations"] == json.loads(json.dumps(summary.evaluations))
     assert results["global_step"] == summary.global_step
+
+
+def test_results_record_each_stage_s_time_and_the_process_s_peak_memory(tiny_models, tmp_path):
+    """Each stage's wall time (the stages within the run's), and the peak resident memory: at least the
+    weights of the two models the run holds, at most what the process reads once the run is over."""
+    import resource
+
+    result = finetune(tiny_config(tiny_models["llama"], tmp_path / "out", transfer_steps=1, finetune_steps=2))
+    results = json.loads((tmp_path / "out" / outputs.RESULTS_FILE).read_text())
+    seconds = [stage["seconds_this_process"] for stage in results["stages"]]
+    assert seconds == [result.stage_seconds["transfer"], result.stage_seconds["finetune"]]
+    assert all(value >= 0 for value in seconds) and sum(seconds) <= results["seconds_this_process"]
+    peak = results["peak_memory_this_process"]
+    assert peak == result.peak_memory and set(peak) == {"resident_gb"}
+    weights = sum(t.numel() * t.element_size() for t in result.model.state_dict().values())
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    assert 2 * weights / 1e9 <= peak["resident_gb"] <= round(after, 2)
 
 
 def test_the_plot_title_names_the_layers_whose_attention_differs(tiny_models):
