@@ -17,6 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hf_softmax_rnn import __version__
 from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.training.metrics import minutes_and_seconds
 
 TEMPLATE_PATH = Path(__file__).parent / "model_cards" / "softmax_rnn_model.md"
 PAPER_URL = "https://arxiv.org/abs/2507.23632"
@@ -61,6 +62,11 @@ def attention_groups(layer_specs: Sequence[AttentionSpec], head_dim: int) -> lis
     return groups
 
 
+def _with_wall_time(stage: Mapping) -> dict:
+    seconds = stage.get("seconds_this_process")
+    return {**stage, "wall_time": "-" if seconds is None else minutes_and_seconds(seconds)}
+
+
 def softmax_rnn_model_card(
     *,
     layer_specs: Sequence[AttentionSpec],
@@ -79,6 +85,8 @@ def softmax_rnn_model_card(
     has_adapter: bool = False,
     rope_parameters: Mapping | None = None,
     max_positions: int | None = None,
+    hardware: str | None = None,
+    peak_memory: str | None = None,
 ) -> ModelCard:
     """Render the card of a converted model.
 
@@ -93,13 +101,15 @@ def softmax_rnn_model_card(
             other name) -> {"perplexity", "eval_loss"}; the last one goes to model-index.
         evaluation_text: how the perplexities were measured (one sentence).
         stages: one mapping per training stage: name, steps, learning_rate, trains, block_size (tokens per
-            training block), tokens.
+            training block), tokens, and seconds_this_process where this process trained it.
         dataset: the training data.
         dataset_on_hub: `dataset` is a Hub id, which goes to the metadata.
         dataset_text: how the card names the data.
         has_adapter: the repo also holds `adapter/` (LoRA) and `adapter_base/`.
         rope_parameters: the model's rotary settings; YaRN scaling (`extend_context`) is stated in the card.
         max_positions: the model's `max_position_embeddings`.
+        hardware: what the stages' wall times were measured on ("2 CPU thread(s)", a GPU's name).
+        peak_memory: the training process's peak memory in words.
     """
     evaluations = dict(evaluations or {})
     groups = attention_groups(layer_specs, head_dim)
@@ -136,7 +146,10 @@ def softmax_rnn_model_card(
         library_version=__version__,
         attention_groups=groups,
         attention_json=json.dumps([{"layers": group["layers"], **group["spec"]} for group in groups], indent=2),
-        stages=list(stages),
+        stages=[_with_wall_time(stage) for stage in stages],
+        resumed=any(stage.get("seconds_this_process") is None for stage in stages),
+        hardware=hardware,
+        peak_memory=peak_memory,
         dataset_text=dataset_text or dataset,
         global_batch=global_batch,
         num_processes=num_processes,

@@ -103,10 +103,30 @@ def test_text_has_perplexities_loading_and_citation():
 
 def test_training_table_gives_each_stage_its_block_length_and_tokens():
     text = _card().text
-    assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 |" in text
-    assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 |" in text
+    assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 | - |" in text
+    assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 | - |" in text
     assert "16 blocks per optimizer step (1 process)" in text
     assert "1 block per optimizer step (1 process)" in _card(global_batch=1).text
+
+
+def test_training_table_gives_each_stage_trained_here_its_wall_time_on_the_hardware_named():
+    stages = [
+        {"name": "finetune", "steps": 10, "learning_rate": 2e-4, "trains": "LoRA", "block_size": 256, "tokens": 40960},
+        {"name": "state", "steps": 2, "learning_rate": 1e-2, "trains": "rnn_params", "block_size": 4096,
+         "tokens": 131072, "seconds_this_process": 941.4},
+    ]  # fmt: skip
+    text = _card(stages=stages, hardware="2 CPU thread(s)", peak_memory="11.43 GB resident").text
+    assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 | - |" in text
+    assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 | 15 min 41 s |" in text
+    assert (
+        "Wall times of the main process on 2 CPU thread(s), whose peak memory was 11.43 GB resident; a stage trained "
+        "before a resume has none, and the stage resumed counts only its part after it." in text
+    )
+    stages[0]["seconds_this_process"] = 583.4
+    text = _card(stages=stages, hardware="NVIDIA H200").text
+    assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 | 9 min 43 s |" in text
+    assert "Wall times of the main process on NVIDIA H200.\n" in text
+    assert "Wall times" not in _card().text
 
 
 def test_local_base_model_and_data_stay_out_of_the_metadata():

@@ -24,7 +24,7 @@ import logging
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, FinetuneConfig
 from hf_softmax_rnn.training.long_context_run import long_context_report
-from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION
+from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION, memory_words, minutes_and_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -56,30 +56,24 @@ def summary(result) -> str:
                 last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
                 DEFAULT_ATTENTION,
             )  # fmt: skip
-    if result.stage_seconds or result.peak_memory:
-        lines.append("  " + "; ".join(filter(None, [_stage_times(result.stage_seconds), _memory(result.peak_memory)])))
+    if _time_and_memory(result):
+        lines.append(_time_and_memory(result))
     lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in evaluations.items()}))
     if getattr(result, "long_context", None):
         lines += ["", long_context_report(result.long_context)]
     return "\n".join(lines)
 
 
-def _stage_times(stage_seconds: dict[str, float]) -> str:
-    """ "training: finetune 9 min 43 s, state 15 min 41 s" (the stages this process trained)."""
-    times = [f"{name} {_minutes_seconds(seconds)}" for name, seconds in stage_seconds.items()]
-    return f"training: {', '.join(times)}" if times else ""
-
-
-def _minutes_seconds(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes} min {seconds} s"
-
-
-def _memory(peak: dict[str, float]) -> str:
-    """ "peak memory 11.43 GB resident, 3.20 GB CUDA tensors" (what this process measured)."""
-    parts = {"resident_gb": "resident", "cuda_allocated_gb": "CUDA tensors"}
-    measured = [f"{peak[key]:.2f} GB {words}" for key, words in parts.items() if key in peak]
-    return f"peak memory {', '.join(measured)}" if measured else ""
+def _time_and_memory(result) -> str:
+    """ "  training: finetune 9 min 43 s, state 15 min 41 s; peak memory 11.43 GB resident": the stages this
+    process trained and its peak memory ("" when it measured neither)."""
+    parts = []
+    if result.stage_seconds:
+        times = [f"{name} {minutes_and_seconds(seconds)}" for name, seconds in result.stage_seconds.items()]
+        parts.append(f"training: {', '.join(times)}")
+    if memory_words(result.peak_memory):
+        parts.append(f"peak memory {memory_words(result.peak_memory)}")
+    return "  " + "; ".join(parts) if parts else ""
 
 
 def run(args: argparse.Namespace) -> str | None:

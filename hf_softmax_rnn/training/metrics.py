@@ -43,6 +43,18 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return peak
 
 
+def minutes_and_seconds(seconds: float) -> str:
+    """583.4 -> "9 min 43 s"."""
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s"
+
+
+def memory_words(peak: dict[str, float]) -> str:
+    """`peak_memory`'s result in words: "11.43 GB resident, 3.20 GB CUDA tensors" ("" when nothing was counted)."""
+    words = {"resident_gb": "resident", "cuda_allocated_gb": "CUDA tensors"}
+    return ", ".join(f"{peak[key]:.2f} GB {text}" for key, text in words.items() if key in peak)
+
+
 class MetricsLogger:
     """Appends records `{"step": global step, "stage": name, ...numbers}` to `metrics.jsonl` and
     mirrors the numbers to TensorBoard (when the `tensorboard` package is installed).

@@ -36,7 +36,7 @@ from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
 from hf_softmax_rnn.training.config import FinetuneConfig, is_attention_file
 from hf_softmax_rnn.training.disk import reporting_full_disk
-from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, plot_loss_curves, read_metrics
+from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, memory_words, plot_loss_curves, read_metrics
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ class RunSummary:
     """What the outputs of a finished run record (built by the trainer): its settings and folder, the
     tokenizer saved with the model, the held-out metrics per point of the run, one dict per trained
     stage (name, steps, learning_rate, trains, trainable_parameters, block_size, tokens, seconds_this_process),
-    the global step and batch, the number of processes, this process's wall time in seconds and its peak memory
-    in GB (`hf_softmax_rnn.training.metrics.peak_memory`)."""
+    the global step and batch, the number of processes, this process's wall time in seconds, its peak memory
+    in GB (`hf_softmax_rnn.training.metrics.peak_memory`) and the hardware it ran on."""
 
     config: FinetuneConfig
     output_dir: Path
@@ -98,6 +98,8 @@ class RunSummary:
     num_processes: int
     seconds: float
     peak_memory: dict[str, float]
+    #: what the run trained on: a GPU's name, or the CPU threads torch used
+    hardware: str
 
 
 def save_model(model: PreTrainedModel, tokenizer, path: Path) -> None:
@@ -181,6 +183,8 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         has_adapter=has_adapter,
         rope_parameters=getattr(model.config, "rope_parameters", None),
         max_positions=getattr(model.config, "max_position_embeddings", None),
+        hardware=run.hardware,
+        peak_memory=memory_words(run.peak_memory) or None,
     )
 
 
@@ -231,6 +235,7 @@ def _save_outputs(run: RunSummary, model, *, is_main: bool) -> PreTrainedModel:
             "num_processes": run.num_processes,
             "seconds_this_process": round(run.seconds, 1),
             "peak_memory_this_process": run.peak_memory,
+            "hardware": run.hardware,
             "config": portable_config(run),
         }
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))

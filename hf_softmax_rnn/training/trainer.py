@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
+from hf_softmax_rnn.analysis.bench_report import hardware_name
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import convert, converted_class
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
@@ -430,6 +431,7 @@ class Finetuner:
             num_processes=self.accelerator.num_processes,
             seconds=seconds,
             peak_memory=peak_memory(self.accelerator.device),
+            hardware=hardware_name(self.accelerator.device),
         )
 
     def _train_stage(self, index: int, stage: Stage, model: nn.Module) -> nn.Module:

@@ -3,15 +3,18 @@
 import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
 from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.training import Finetuner, finetune, outputs
+from hf_softmax_rnn.training.metrics import minutes_and_seconds
 from hf_softmax_rnn.training.outputs import save_model
 from tests.training.helpers import tiny_config
 
@@ -163,6 +166,7 @@ def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
         "num_processes",
         "seconds",
         "peak_memory",
+        "hardware",
     ]
     assert (summary.global_step, summary.num_processes) == (3, 1)
     assert [(stage["name"], stage["steps"]) for stage in summary.stages] == [("transfer", 1), ("finetune", 2)]
@@ -173,8 +177,9 @@ def test_run_summary_holds_what_the_outputs_record(tiny_models, tmp_path):
 
 
 def test_results_record_each_stage_s_time_and_the_process_s_peak_memory(tiny_models, tmp_path):
-    """Each stage's wall time (the stages within the run's), and the peak resident memory: at least the
-    weights of the two models the run holds, at most what the process reads once the run is over."""
+    """Each stage's wall time (together within the run's) in results.json and the card, and the peak resident
+    memory: at least the weights of the two models the run holds, at most what the process reads once the run
+    is over."""
     import resource
 
     result = finetune(tiny_config(tiny_models["llama"], tmp_path / "out", transfer_steps=1, finetune_steps=2))
@@ -187,6 +192,11 @@ def test_results_record_each_stage_s_time_and_the_process_s_peak_memory(tiny_mod
     weights = sum(t.numel() * t.element_size() for t in result.model.state_dict().values())
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     assert 2 * weights / 1e9 <= peak["resident_gb"] <= round(after, 2)
+    assert results["hardware"] == f"{torch.get_num_threads()} CPU thread(s)"
+    card = (tmp_path / "out" / "README.md").read_text()
+    time = minutes_and_seconds(results["stages"][1]["seconds_this_process"])
+    assert re.search(rf"\| finetune \| 2 \| [^\n]* \| {re.escape(time)} \|\n", card)
+    assert f"Wall times of the main process on {results['hardware']}, whose peak memory was " in card
 
 
 def test_the_plot_title_names_the_layers_whose_attention_differs(tiny_models):
