@@ -381,9 +381,9 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.checkpointed
     ]
     trainers.insert(0, Trainer(BASELINE, base_model, device, compiled=compiled))
-    for trainer in trainers + checkpointed if args.gradient_checkpointing else checkpointed:
-        trainer.model.activation_checkpointing_enable({"use_reentrant": False})
     trainers += checkpointed
+    for trainer in trainers if args.gradient_checkpointing else checkpointed:  # never both (_check_args)
+        trainer.model.activation_checkpointing_enable({"use_reentrant": False})
     hardware = hardware_name(device)
     precision = "bfloat16 autocast" if device.type == "cuda" else "float32"
     title = (

@@ -56,8 +56,8 @@ def summary(result) -> str:
                 last, ratio, evaluations[last]["perplexity"], evaluations[BEFORE_CONVERSION]["perplexity"],
                 DEFAULT_ATTENTION,
             )  # fmt: skip
-    if _time_and_memory(result):
-        lines.append(_time_and_memory(result))
+    if time_and_memory := _time_and_memory(result):
+        lines.append(time_and_memory)
     lines.append(json.dumps({point: round(values["perplexity"], 4) for point, values in evaluations.items()}))
     if getattr(result, "long_context", None):
         lines += ["", long_context_report(result.long_context)]
@@ -65,14 +65,14 @@ def summary(result) -> str:
 
 
 def _time_and_memory(result) -> str:
-    """ "  training: finetune 9 min 43 s, state 15 min 41 s; peak memory 11.43 GB resident": the stages this
-    process trained and its peak memory ("" when it measured neither)."""
+    """The stages this process trained and its peak memory, as one indented line ("" when it measured neither):
+    `  training: finetune 9 min 43 s, state 15 min 41 s; peak memory 11.43 GB resident`."""
     parts = []
     if result.stage_seconds:
         times = [f"{name} {minutes_and_seconds(seconds)}" for name, seconds in result.stage_seconds.items()]
         parts.append(f"training: {', '.join(times)}")
-    if memory_words(result.peak_memory):
-        parts.append(f"peak memory {memory_words(result.peak_memory)}")
+    if memory := memory_words(result.peak_memory):
+        parts.append(f"peak memory {memory}")
     return "  " + "; ".join(parts) if parts else ""
 
 

@@ -36,8 +36,8 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     tells) and, on CUDA, `cuda_allocated_gb` (the most the allocator held for tensors)."""
     peak = {}
     if resource is not None:
-        kilobytes = 1 / 1024 if sys.platform == "darwin" else 1  # macOS counts bytes, Linux kilobytes
-        peak["resident_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kilobytes * 1024 / 1e9, 2)
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss counts bytes on macOS, kilobytes on Linux
+        peak["resident_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 1e9, 2)
     if device.type == "cuda":
         peak["cuda_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
     return peak
