@@ -44,9 +44,9 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 def minutes_and_seconds(seconds: float) -> str:
-    """583.4 -> "9 min 43 s"."""
+    """583.4 -> "9 min 43 s"; 41.2 -> "41 s"."""
     minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes} min {seconds} s"
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 def memory_words(peak: dict[str, float]) -> str:

@@ -31,7 +31,7 @@ def _summary_of(perplexities: dict[str, float], **measured) -> str:
             dict(peak_memory={"resident_gb": 5.0, "cuda_allocated_gb": 3.2}),
             "  peak memory 5.00 GB resident, 3.20 GB CUDA tensors",
         ),
-        (dict(stage_seconds={"state": 61.0}), "  training: state 1 min 1 s"),
+        (dict(stage_seconds={"transfer": 41.2, "state": 61.0}), "  training: transfer 41 s, state 1 min 1 s"),
     ],
     ids=["cpu", "cuda-nothing-trained-here", "no-memory-count"],
 )
