@@ -66,7 +66,7 @@ def summary(result) -> str:
 
 def _time_and_memory(result) -> str:
     """The stages this process trained and its peak memory, as one indented line ("" when it measured neither):
-    `  training: finetune 9 min 43 s, state 15 min 41 s; peak memory 11.43 GB resident`."""
+    `  training: finetune 9 min 43 s, state 15 min 41 s; peak memory 10.92 GiB resident`."""
     parts = []
     if result.stage_seconds:
         times = [f"{name} {minutes_and_seconds(seconds)}" for name, seconds in result.stage_seconds.items()]

@@ -32,14 +32,14 @@ AFTER_CONVERSION = "converted"
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
-    """This process's peak memory so far, in GB: `resident_gb` (what the operating system counted, where it
-    tells) and, on CUDA, `cuda_allocated_gb` (the most the allocator held for tensors)."""
+    """This process's peak memory so far, in GiB: `resident_gib` (what the operating system counted, where it
+    tells) and, on CUDA, `cuda_allocated_gib` (the most the allocator held for tensors)."""
     peak = {}
     if resource is not None:
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss counts bytes on macOS, kilobytes on Linux
-        peak["resident_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 1e9, 2)
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss counts bytes on macOS, KiB on Linux
+        peak["resident_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30, 2)
     if device.type == "cuda":
-        peak["cuda_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        peak["cuda_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return peak
 
 
@@ -50,9 +50,9 @@ def minutes_and_seconds(seconds: float) -> str:
 
 
 def memory_words(peak: dict[str, float]) -> str:
-    """`peak_memory`'s result in words: "11.43 GB resident, 3.20 GB CUDA tensors" ("" when nothing was counted)."""
-    words = {"resident_gb": "resident", "cuda_allocated_gb": "CUDA tensors"}
-    return ", ".join(f"{peak[key]:.2f} GB {text}" for key, text in words.items() if key in peak)
+    """`peak_memory`'s result in words: "10.92 GiB resident, 3.20 GiB CUDA tensors" ("" when nothing was counted)."""
+    words = {"resident_gib": "resident", "cuda_allocated_gib": "CUDA tensors"}
+    return ", ".join(f"{peak[key]:.2f} GiB {text}" for key, text in words.items() if key in peak)
 
 
 class MetricsLogger:

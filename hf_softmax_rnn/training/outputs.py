@@ -86,7 +86,7 @@ class RunSummary:
     tokenizer saved with the model, the held-out metrics per point of the run, one dict per trained
     stage (name, steps, learning_rate, trains, trainable_parameters, block_size, tokens, seconds_this_process),
     the global step and batch, the number of processes, this process's wall time in seconds, its peak memory
-    in GB (`hf_softmax_rnn.training.metrics.peak_memory`) and the hardware it ran on."""
+    in GiB (`hf_softmax_rnn.training.metrics.peak_memory`) and the hardware it ran on."""
 
     config: FinetuneConfig
     output_dir: Path

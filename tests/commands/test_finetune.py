@@ -24,12 +24,12 @@ def _summary_of(perplexities: dict[str, float], **measured) -> str:
     ("measured", "line"),
     [
         (
-            dict(stage_seconds={"finetune": 583.4, "state": 59.6}, peak_memory={"resident_gb": 11.43}),
-            "  training: finetune 9 min 43 s, state 1 min 0 s; peak memory 11.43 GB resident",
+            dict(stage_seconds={"finetune": 583.4, "state": 59.6}, peak_memory={"resident_gib": 10.92}),
+            "  training: finetune 9 min 43 s, state 1 min 0 s; peak memory 10.92 GiB resident",
         ),
         (
-            dict(peak_memory={"resident_gb": 5.0, "cuda_allocated_gb": 3.2}),
-            "  peak memory 5.00 GB resident, 3.20 GB CUDA tensors",
+            dict(peak_memory={"resident_gib": 5.0, "cuda_allocated_gib": 3.2}),
+            "  peak memory 5.00 GiB resident, 3.20 GiB CUDA tensors",
         ),
         (dict(stage_seconds={"transfer": 41.2, "state": 61.0}), "  training: transfer 41 s, state 1 min 1 s"),
     ],

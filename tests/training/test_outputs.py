@@ -188,10 +188,10 @@ def test_results_record_each_stage_s_time_and_the_process_s_peak_memory(tiny_mod
     assert seconds == [result.stage_seconds["transfer"], result.stage_seconds["finetune"]]
     assert all(value >= 0 for value in seconds) and sum(seconds) <= results["seconds_this_process"]
     peak = results["peak_memory_this_process"]
-    assert peak == result.peak_memory and set(peak) == {"resident_gb"}
+    assert peak == result.peak_memory and set(peak) == {"resident_gib"}
     weights = sum(t.numel() * t.element_size() for t in result.model.state_dict().values())
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-    assert 2 * weights / 1e9 <= peak["resident_gb"] <= round(after, 2)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    assert 2 * weights / 2**30 <= peak["resident_gib"] <= round(after, 2)
     assert results["hardware"] == f"{torch.get_num_threads()} CPU thread(s)"
     card = (tmp_path / "out" / "README.md").read_text()
     time = minutes_and_seconds(results["stages"][1]["seconds_this_process"])
