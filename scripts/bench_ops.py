@@ -44,6 +44,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.ops import attention, backends
 from hf_softmax_rnn.ops.kernels import AttentionParams
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
+from hf_softmax_rnn.training.metrics import peak_resident_bytes
 
 SHAPE = dict(batch=1, heads=9, kv_heads=3, head_dim=64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -137,7 +138,7 @@ def run_case(
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_resident_bytes()
     return {"seconds": min(times), "peak_bytes": max(peak - baseline, 0)}
 
 

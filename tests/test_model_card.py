@@ -119,7 +119,7 @@ def test_training_table_gives_each_stage_trained_here_its_wall_time_on_the_hardw
     assert "| finetune | 10 | 0.0002 | LoRA | 256 | 40,960 | - |" in text
     assert "| state | 2 | 0.01 | rnn_params | 4,096 | 131,072 | 15 min 41 s |" in text
     assert (
-        "Wall times of the main process on 2 CPU thread(s), whose peak memory was 10.92 GiB resident; a stage trained "
+        "Wall times of the main process on 2 CPU thread(s) (its peak memory: 10.92 GiB resident); a stage trained "
         "before a resume has none, and the stage resumed counts only its part after it." in text
     )
     stages[0]["seconds_this_process"] = 583.4

@@ -31,13 +31,20 @@ BEFORE_CONVERSION = "base"
 AFTER_CONVERSION = "converted"
 
 
+def peak_resident_bytes() -> int | None:
+    """The most resident memory this process has held so far, in bytes (None where the system does not tell)."""
+    if resource is None:
+        return None
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss counts bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+
+
 def peak_memory(device: torch.device) -> dict[str, float]:
     """This process's peak memory so far, in GiB: `resident_gib` (what the operating system counted, where it
     tells) and, on CUDA, `cuda_allocated_gib` (the most the allocator held for tensors)."""
     peak = {}
-    if resource is not None:
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss counts bytes on macOS, KiB on Linux
-        peak["resident_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30, 2)
+    if (resident := peak_resident_bytes()) is not None:
+        peak["resident_gib"] = round(resident / 2**30, 2)
     if device.type == "cuda":
         peak["cuda_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return peak

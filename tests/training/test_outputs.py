@@ -196,7 +196,7 @@ def test_results_record_each_stage_s_time_and_the_process_s_peak_memory(tiny_mod
     card = (tmp_path / "out" / "README.md").read_text()
     time = minutes_and_seconds(results["stages"][1]["seconds_this_process"])
     assert re.search(rf"\| finetune \| 2 \| [^\n]* \| {re.escape(time)} \|\n", card)
-    assert f"Wall times of the main process on {results['hardware']}, whose peak memory was " in card
+    assert f"Wall times of the main process on {results['hardware']} (its peak memory: " in card
 
 
 def test_the_plot_title_names_the_layers_whose_attention_differs(tiny_models):
