@@ -93,19 +93,25 @@ class HedgehogKernel(FeatureKernel):
 
     @staticmethod
     def _map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """[softmax(xW), softmax(-xW)] of x `[B, *heads, L, D]`, weight `[*heads, D, F]`: one product with
-        [W, -W] and one softmax over the two halves (no pass for -xW and none to join them, forward or
-        backward). A product broadcast over B copies the weights B times, which costs less than a copy of
-        x where L >= 2F (training, prefill); for shorter calls (decoding: 0.8 GB a layer, queries and keys,
-        at SmolLM2's heads for 4,096 sequences in bfloat16) the batch is folded into the rows of one product
-        per head instead."""
-        both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [*heads, D, 2F], the size of the weights
-        if x.shape[-2] >= both.shape[-1]:
+        """[softmax(xW), softmax(-xW)] of x `[B, *heads, L, D]`, weight `[*heads, D, F]`, with one softmax
+        over the two halves. A call of L >= 2F positions (training, prefill) takes one product with [W, -W]
+        broadcast over B (no pass for -xW and none to join them, forward or backward; B copies of the
+        weights cost less than a copy of x). A shorter call (decoding: 0.8 GB a layer, queries and keys,
+        at SmolLM2's heads for 4,096 sequences in bfloat16) folds the batch into the rows of one product
+        per head: with [W, -W] for more than 2D rows, else with W, its output then negated and joined
+        (for a few sequences that output is far smaller than the weights)."""
+        if x.shape[-2] >= 2 * weight.shape[-1]:
+            both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [*heads, D, 2F], the size of the weights
             return torch.softmax((x @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
-        heads = both.shape[:-2]
+        heads = weight.shape[:-2]
         rows = x.movedim(0, len(heads)).reshape(-1, x.shape[0] * x.shape[-2], x.shape[-1])  # [heads, B * L, D]
-        products = torch.bmm(rows, both.reshape(-1, *both.shape[-2:]))  # (bmm: fewer dispatches than matmul)
-        features = torch.softmax(products.unflatten(-1, (2, -1)), dim=-1).flatten(-2)
+        weight = weight.reshape(-1, *weight.shape[-2:]).to(x.dtype)
+        if rows.shape[1] > 2 * x.shape[-1]:
+            products = torch.bmm(rows, torch.cat([weight, -weight], dim=-1)).unflatten(-1, (2, -1))
+        else:
+            products = torch.bmm(rows, weight)  # (bmm: fewer dispatches than matmul)
+            products = torch.stack([products, -products], dim=-2)
+        features = torch.softmax(products, dim=-1).flatten(-2)  # [heads, B * L, 2F]
         return features.view(*heads, x.shape[0], x.shape[-2], -1).movedim(len(heads), 0)
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:

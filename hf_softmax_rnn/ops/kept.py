@@ -377,5 +377,36 @@ def kept_step(
 
 def write_slots(buffer: torch.Tensor, dim: int, index: torch.Tensor, new, in_place: bool) -> torch.Tensor:
     """`buffer` with `new` (a tensor shaped as `index`, or a number) written at `index` along `dim`: into
-    `buffer` itself when `in_place` (decoding without autograd: one write of the slots), else into a copy."""
-    return buffer.scatter_(dim, index, new) if in_place else buffer.scatter(dim, index, new)
+    `buffer` itself when `in_place` (decoding without autograd: one write of the slots), else into a copy.
+    `index` names one slot per position of the dimensions before `dim` (it is constant along the others).
+
+    Under torch.compile an in-place write is an `index_put_`, which the compiler keeps in place on a
+    cache's buffer (a `scatter_` there becomes a copy of the whole buffer and a copy back, each step)."""
+    if not in_place:
+        return buffer.scatter(dim, index, new)
+    if not torch.compiler.is_compiling():
+        return buffer.scatter_(dim, index, new)
+    slots = index[(slice(None),) * dim + (0,) * (index.dim() - dim)]  # buffer.shape[:dim]
+    leading = [
+        torch.arange(size, device=buffer.device).view(-1, *[1] * (dim - 1 - axis))
+        for axis, size in enumerate(buffer.shape[:dim])
+    ]
+    if isinstance(new, torch.Tensor):
+        new = new.select(dim, 0)
+    else:
+        new = torch.full((), new, dtype=buffer.dtype, device=buffer.device)
+    return buffer.index_put_((*leading, slots), new)
+
+
+def exchange_slots(
+    buffer: torch.Tensor, dim: int, index: torch.Tensor, new: torch.Tensor, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows of `buffer` at `index`, `buffer` with `new` written there, as `write_slots` writes it).
+
+    Under torch.compile the written rows are made to depend on the rows read (`new` wherever the index
+    is valid, i.e. always), so that the compiler cannot move the read after the write: a read of the
+    buffer after its in-place write makes it copy the whole buffer instead."""
+    old = buffer.gather(dim, index)
+    if in_place and torch.compiler.is_compiling():
+        new = torch.where(index >= 0, new, old)
+    return old, write_slots(buffer, dim, index, new, in_place)

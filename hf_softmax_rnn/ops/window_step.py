@@ -29,7 +29,7 @@ import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kept import kept_step, write_slots
+from hf_softmax_rnn.ops.kept import exchange_slots, kept_step, write_slots
 from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero, row_shift
 from hf_softmax_rnn.ops.linear import recurrent_linear_attention
 from hf_softmax_rnn.ops.sinks import visible_ranks
@@ -74,10 +74,8 @@ def window_hybrid_step(
         candidate = valid  # may be scored as a window or kept key (visible, not a sink)
     rows = slot[:, :, None, None]  # [B, 1, 1, 1]
     key_rows, value_rows = rows.expand(k.shape), rows.expand(augmented_v.shape)
-    leaving_key = state.window_keys.gather(2, key_rows).to(dtype)
-    leaving_value = state.window_values.gather(2, value_rows).to(dtype)
-    window_keys = write_slots(state.window_keys.to(dtype), 2, key_rows, k, in_place)
-    window_values = write_slots(state.window_values.to(dtype), 2, value_rows, augmented_v, in_place)
+    leaving_key, window_keys = exchange_slots(state.window_keys.to(dtype), 2, key_rows, k, in_place)
+    leaving_value, window_values = exchange_slots(state.window_values.to(dtype), 2, value_rows, augmented_v, in_place)
     visible = write_slots(state.window_valid, 1, slot, key_mask, in_place)  # [B, W], slot order
     fields = dict(window_keys=window_keys, window_values=window_values, window_valid=visible)
     fields["window_start"] = (following % window)[:, 0]

@@ -1,8 +1,11 @@
 """`generate(cache_implementation="static")` and compiled decoding from recurrent states, against the
 dynamic cache and uncached recomputation."""
 
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from transformers import CompileConfig, DynamicCache, StaticCache
 
 from hf_softmax_rnn import AttentionSpec
@@ -132,7 +135,9 @@ def test_one_compiled_decode_step_has_no_graph_break(family, name):
     assert explained.graph_break_count == 0, "graph breaks in the decode step: " + "; ".join(breaks)
 
 
-@pytest.mark.parametrize("name", ["hedgehog_window3", "softmax_taylor_2"])
+@pytest.mark.parametrize(
+    "name", ["hedgehog_window3", "softmax_taylor_2", "hedgehog_window3_sinks2", "hedgehog_window2_sinks1_kept2_decay"]
+)
 def test_compiled_static_decoding_matches_eager(family, name):
     """torch.compile of the decode step (the default inductor backend on CPU) through the static cache."""
     model = tiny_model(family, SPECS[name])
@@ -147,6 +152,28 @@ def test_compiled_static_decoding_matches_eager(family, name):
         atol=1e-5,
         rtol=0,
     )
+
+
+def test_a_compiled_decode_step_writes_window_and_kept_slots_in_place(family):
+    """A compiled step writes the changed rows of the window and kept buffers into the cache's buffers
+    themselves: the compiled code allocates no buffer of their size (a whole-buffer copy each step, and
+    a copy back, which the compiler makes of a buffer written by a scatter or read after its write)."""
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=7, sinks=1, kept=5, decay=True, chunk_size=4)
+    model = tiny_model(family, spec)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    token, position = _prefilled(model, cache)
+    buffers = {
+        tuple(getattr(layer.state, name).shape)
+        for layer in cache.layers
+        for name in ("window_keys", "window_values", "kept_keys", "kept_values")
+    }
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    _, code = run_and_get_code(_decode, compiled, cache, token, position, 1)
+    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", "\n".join(code))
+    assert allocations, "the compiled code allocates nothing: the pattern no longer reads it"
+    shapes = {tuple(int(size) for size in shape.split(",") if size.strip()) for shape in allocations}
+    assert not buffers & shapes, sorted(buffers & shapes)
 
 
 def test_static_cache_is_refused_when_a_layer_keeps_a_kv_cache(family):

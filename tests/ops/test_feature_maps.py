@@ -1,5 +1,6 @@
-"""The hedgehog feature map in both of its layouts (the product broadcast over the batch for long calls,
-the batch folded into the rows for short ones) against its definition, values and gradients in float64."""
+"""The hedgehog feature map in each of its layouts (the product with [W, -W] broadcast over the batch for
+long calls; the batch folded into the rows for short ones, with [W, -W] for many rows and with W, its output
+negated, for few) against its definition, values and gradients in float64."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ def _definition(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.softmax(projected, -1), torch.softmax(-projected, -1)], -1)
 
 
-@pytest.mark.parametrize("length", [1, 9, 10, 23], ids=["decoding", "short", "at_2F", "long"])
+@pytest.mark.parametrize("length", [1, 9, 10, 23], ids=["decoding", "short_many_rows", "at_2F", "long"])
 @pytest.mark.parametrize("layout", ["time_major", "contiguous"])
 def test_hedgehog_features_match_their_definition(length, layout):
     """q as a model makes it (a transposed view of the projection, time-major in memory) or contiguous."""
