@@ -104,12 +104,17 @@ def blocked_exp(
     """(e^{x - m} `[B, Hkv, blocks, G, C, N]`, 0 where not `visible`; the row max m `[..., 1]`, detached) of
     x = scale q.k for the queries of each block (`query_blocks`, `[B, Hkv, blocks, G * C, D]`) against its
     own N keys as columns `[B, Hkv, blocks, D, N]`; `visible` broadcasts to x. The queries are scaled
-    before the product (D wide, not N)."""
+    before the product (D wide, not N). Without autograd (prefill, evaluation) the mask, the shift and
+    the exp are written over the product: one tensor of N columns a row instead of four. (With autograd,
+    writing over a view of the product would make its backward copy the whole band.)"""
     batch, kv_heads, blocks, rows, _ = q_blocks.shape
     x = ((q_blocks * scale) @ key_columns).view(batch, kv_heads, blocks, groups, rows // groups, -1)
-    x = x.masked_fill(~visible, float("-inf"))
-    row_max = row_shift(x)
-    return torch.exp(x - row_max), row_max
+    if x.requires_grad:
+        x = x.masked_fill(~visible, float("-inf"))
+        row_max = row_shift(x)
+        return torch.exp(x - row_max), row_max
+    row_max = row_shift(x.masked_fill_(~visible, float("-inf")))
+    return x.sub_(row_max).exp_(), row_max
 
 
 def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:

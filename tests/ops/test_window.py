@@ -17,6 +17,7 @@ from hf_softmax_rnn.ops import attention
 from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, mix_weight
 
 from .helpers import as_params, left_padding_mask, make_inputs, make_params, quiet_preset
+from .kernel_stand_ins import AllocatedBytes
 
 
 def _phi(x, spec, weight):
@@ -247,3 +248,17 @@ def test_the_mix_weight_takes_the_row_max_dtype_whatever_the_log_scale_s(log_sca
     expected = torch.exp((log_scale.double().view(2, 2, 1, 1) - row_max.double()).clamp_max(MAX_MIX_EXPONENT))
     assert weight.dtype == torch.float32
     torch.testing.assert_close(weight, expected.float(), rtol=1e-6, atol=0)
+
+
+def test_a_call_without_autograd_allocates_the_band_once():
+    """Prefill and evaluation (no autograd): the band's scores are masked, shifted and exponentiated in
+    place, one tensor of C + W columns a row instead of four. One call of the finetune default's spec at
+    SmolLM2's heads and 1,024 tokens, float32, allocates under 200,000 bytes a token (179,341; 237,229 when
+    each of the three made a tensor of its own)."""
+    spec = quiet_preset("hedgehog_window_256_sinks_4_kept_256_decay")
+    q, k, v, _ = make_inputs(batch=1, heads=9, kv_heads=3, length=1024, head_dim=64, dtype=torch.float32)
+    params = as_params(make_params(spec, heads=9, kv_heads=3, head_dim=64, dtype=torch.float32))
+    gates = {"decay": torch.full((1, 3, 1024), -1e-3)}
+    with torch.no_grad(), AllocatedBytes() as counter:
+        attention(q, k, v, spec, mode="chunked", params=params, gates=gates)
+    assert counter.bytes / 1024 < 200_000, counter.bytes / 1024
