@@ -98,15 +98,15 @@ class HedgehogKernel(FeatureKernel):
         broadcast over B (no pass for -xW and none to join them, forward or backward; B copies of the
         weights cost less than a copy of x). A shorter call (decoding: 0.8 GB a layer, queries and keys,
         at SmolLM2's heads for 4,096 sequences in bfloat16) folds the batch into the rows of one product
-        per head: with [W, -W] for more than 2D rows, else with W, its output then negated and joined
-        (for a few sequences that output is far smaller than the weights)."""
+        per head: with [W, -W] when its B * L rows outnumber D, else with W, its output then negated and
+        joined (an output smaller than the weights: for a few sequences, far smaller)."""
         if x.shape[-2] >= 2 * weight.shape[-1]:
             both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [*heads, D, 2F], the size of the weights
             return torch.softmax((x @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
         heads = weight.shape[:-2]
         rows = x.movedim(0, len(heads)).reshape(-1, x.shape[0] * x.shape[-2], x.shape[-1])  # [heads, B * L, D]
         weight = weight.reshape(-1, *weight.shape[-2:]).to(x.dtype)
-        if rows.shape[1] > 2 * x.shape[-1]:
+        if rows.shape[1] > x.shape[-1]:
             products = torch.bmm(rows, torch.cat([weight, -weight], dim=-1)).unflatten(-1, (2, -1))
         else:
             products = torch.bmm(rows, weight)  # (bmm: fewer dispatches than matmul)

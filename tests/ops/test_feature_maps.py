@@ -1,6 +1,6 @@
 """The hedgehog feature map in each of its layouts (the product with [W, -W] broadcast over the batch for
-long calls; the batch folded into the rows for short ones, with [W, -W] for many rows and with W, its output
-negated, for few) against its definition, values and gradients in float64."""
+long calls; the batch folded into the rows for short ones, with [W, -W] for more rows than D and with W, its output
+negated, for fewer) against its definition, values and gradients in float64."""
 
 import pytest
 import torch
