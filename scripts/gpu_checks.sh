@@ -93,7 +93,7 @@ if stage fsdp_finetune; then
   run_tests gpu_tests_fsdp_finetune 60 tests/gpu/test_fsdp_finetune.py
 fi
 if stage graphed_decoding_tests; then
-  run_tests gpu_tests_graphed 60 tests/gpu/test_graphed_decoding.py
+  run_tests gpu_tests_graphed 120 tests/gpu/test_graphed_decoding.py  # (two compiled models: about a minute)
 fi
 if stage bench_serve; then
   timeout "$(left 120)" python scripts/bench_serve.py --device cuda --dtype bfloat16 --model "$config" \

@@ -119,3 +119,30 @@ def test_one_prompt_repeated_into_a_static_cache_replays_the_repeated_dynamic_ca
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             tokens = (tokens * 7 + 3) % 50 + 1  # each row its own next token
     assert graphed.graph is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_decoding_of_a_kept_hybrid_matches_eager(family):
+    """torch.compile's CUDA graphs ("reduce-overhead") over a static cache write the window and kept
+    slots with `index_put_` in the cache's own buffers: the steps' logits are the eager steps'."""
+    model = tiny_model(family, SPECS["hedgehog_window2_sinks1_kept2_decay"]).cuda()
+    ids, mask = left_padded_batch(lengths=(10, 6, 3))
+    ids, mask = ids.cuda(), mask.cuda()
+    position = mask.sum(-1, keepdim=True)
+    eager_cache, token = _prefill(model, ids, mask)
+    compiled_cache, _ = _prefill(model, ids, mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+
+    def step(forward, cache):
+        def run(token, position):
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                return forward(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
+
+        return run
+
+    want = _decode(step(model, eager_cache), token, position)
+    got = _decode(step(compiled, compiled_cache), token, position)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
