@@ -51,9 +51,14 @@ class WrittenBytes(TorchDispatchMode):
             if func in INDEXED_WRITES:
                 self.bytes += args[2].numel() * out.element_size()  # (target, dim, index, src or value)
                 return out
-            outputs = out if isinstance(out, (tuple, list)) else [out]
-            self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
+            self.bytes += output_bytes(out)
         return out
+
+
+def output_bytes(out) -> int:
+    """Bytes of the tensors an operation returned (one tensor, or a tuple or list of them)."""
+    outputs = out if isinstance(out, (tuple, list)) else [out]
+    return sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
 
 
 class AllocatedBytes(TorchDispatchMode):
@@ -66,8 +71,7 @@ class AllocatedBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not func.is_view and not func._schema.is_mutable and func not in ALIASING_OPERATIONS:
-            outputs = out if isinstance(out, (tuple, list)) else [out]
-            self.bytes += sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
+            self.bytes += output_bytes(out)
         return out
 
 
