@@ -155,9 +155,10 @@ def test_compiled_static_decoding_matches_eager(family, name):
 
 
 def test_a_compiled_decode_step_writes_window_and_kept_slots_in_place(family):
-    """A compiled step writes the changed rows of the window and kept buffers into the cache's buffers
-    themselves: the compiled code allocates no buffer of their size (a whole-buffer copy each step, and
-    a copy back, which the compiler makes of a buffer written by a scatter or read after its write)."""
+    """A compiled step writes the changed rows of the window keys and values and of the kept keys and
+    values into the cache's buffers themselves: the compiled code allocates no buffer of their size (a
+    whole-buffer copy each step, and a copy back, which the compiler makes of a buffer written by a
+    scatter or read after its write)."""
     spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=7, sinks=1, kept=5, decay=True, chunk_size=4)
     model = tiny_model(family, spec)
     cache = StaticCache(config=model.config, max_cache_len=32)
