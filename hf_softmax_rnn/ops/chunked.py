@@ -1,20 +1,31 @@
-"""Chunked finite-state attention with both passes written by hand, for kernels whose features
-are cheap to rebuild (Taylor-N, and the elementwise maps identity / elu / relu).
+"""Chunked finite-state attention with both passes written by hand, for every feature map, with
+or without a decaying state.
 
-The generic `ops.linear.chunked_linear_attention` (autograd through the feature map, any map)
-is its reference. What makes this one fast on a CPU, where the per-chunk tensors rather than
-the matmuls set the pace:
+The generic `ops.linear.generic_chunked_linear_attention` (autograd through a chunk loop) and
+`ops.decay.chunked_decayed_linear_attention` are its references. What makes this one fast on a
+CPU, where the per-chunk tensors rather than the matmuls set the pace:
+- kernels whose features are cheap to rebuild (Taylor-N, the elementwise maps identity / elu /
+  relu; `hand_written = True`) build them chunk by chunk in both passes; the other maps (cosine,
+  hedgehog) are computed for the whole call in one product and run through the engine as the
+  identity map, and the backward rebuilds them once, so memory stays flat in L either way;
 - features are feature-major, `[Bt, F, T]`, so every state product is a plain batched matmul
   and no gradient needs a transpose;
-- the backward is one reverse sweep that rewinds the state, S_{c-1} = S_c - phi(k_c)^T v_c,
-  instead of a second sweep that recomputes it. The forward accumulates the state in
-  float64 (a constant-size copy) and the backward subtracts the same increments, so the
-  rewound states are as exact as the forward's;
+- without decay, the backward is one reverse sweep that rewinds the state,
+  S_{c-1} = S_c - phi(k_c)^T v_c, instead of a second sweep that recomputes it. The forward
+  accumulates the state in float64 (a constant-size copy) and the backward subtracts the same
+  increments, so the rewound states are as exact as the forward's. A decayed state cannot be
+  rewound (it would divide by the decay), so the backward first replays the state updates and
+  keeps the state before each chunk (n states of one call, for the backward of that call only);
 - every per-chunk tensor lives in a `Scratch` buffer reused for all chunks (a fresh
   multi-MB tensor costs its page faults on every chunk).
 
+With per-position log-decays g (`ops.decay`) and b_t their cumulative sum inside a chunk, chunk c
+computes out_t = e^{b_t} phi(q_t) S_{c-1} + sum_{s<=t} e^{b_t - b_s} k(q_t, k_s) v_s and
+S_c = e^{b_C} S_{c-1} + sum_s e^{b_C - b_s} phi(k_s)^T v_s: every factor is at most 1.
+
 Shapes as in `ops.linear`: grouped q `[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v
-`[B, Hkv, L, Dv + 1]`, state `[B, Hkv, F, Dv + 1]`; inside, Bt = B * Hkv and T = G * C.
+`[B, Hkv, L, Dv + 1]`, state `[B, Hkv, F, Dv + 1]`, log-decays `[B, Hkv, L]`; inside, Bt = B * Hkv
+and T = G * C.
 """
 
 from __future__ import annotations
@@ -68,17 +79,45 @@ class ChunkKernel(Protocol):
         the kernel sends nothing (it reaches q and k either directly or through the features)."""
 
 
-class _Chunks:
-    """q, k, v of one call laid out chunk-first and zero-padded to whole chunks:
-    q `[n, Bt, G*C, D]`, k `[n, Bt, C, D]`, v `[n, Bt, C, Dv']`."""
+class FeatureProducts:
+    """`ChunkKernel`'s scores for maps whose kernel is the plain product phi(q).phi(s)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:
+    def chunk_scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
+        return torch.bmm(phi_q.mT, phi_k, out=scratch("scores", (q.shape[0], q.shape[1], k.shape[1]), q))
+
+    def chunk_scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
+        return None, None, phi_k @ d_scores.mT, phi_q @ d_scores
+
+
+class IdentityFeatures(FeatureProducts):
+    """phi(x) = x: the engine's kernel for features computed before the call."""
+
+    def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+        rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
+        return rows.copy_(x.mT)
+
+    def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
+        return grad.mT
+
+
+class _Chunks:
+    """q, k, v (and log-decays) of one call laid out chunk-first and zero-padded to whole chunks:
+    q `[n, Bt, G*C, D]`, k `[n, Bt, C, D]`, v `[n, Bt, C, Dv']`, and the log-decays' cumulative sums
+    inside each chunk `[n, Bt, C]` (None without decay)."""
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int, log_decay: torch.Tensor | None
+    ) -> None:
         self.chunk_size, self.groups, self.length = chunk_size, q.shape[2], q.shape[-2]
         self.chunks = -(-self.length // chunk_size)
         self.q = self.chunk_first(q)
         self.k = self.chunk_first(k.unsqueeze(2))
         self.v = self.chunk_first(v.unsqueeze(2))
-        self.causal = torch.ones(chunk_size, chunk_size, dtype=q.dtype, device=q.device).tril()
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+        self.causal, self.hidden = causal.to(q.dtype), ~causal
+        self.cumulative = None
+        if log_decay is not None:  # (padding at the end: g = 0, no decay)
+            self.cumulative = self.chunk_first(log_decay.to(q.dtype)[:, :, None, :, None]).squeeze(-1).cumsum(-1)
 
     def chunk_first(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, Hkv, G, L, E]` -> `[n, B * Hkv, G * C, E]` (zero-padded to n * C positions)."""
@@ -95,87 +134,236 @@ class _Chunks:
             shape
         )
 
+    def per_group(self, x: torch.Tensor) -> torch.Tensor:
+        """`[Bt, G*C, E]` -> `[Bt, G, C, E]` (a view)."""
+        return x.view(x.shape[0], self.groups, self.chunk_size, x.shape[-1])
+
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """Zero the pairs s > t of a `[Bt, G*C, C]` tensor, in place."""
-        x.view(x.shape[0], self.groups, self.chunk_size, self.chunk_size).mul_(self.causal)
+        self.per_group(x).mul_(self.causal)
         return x
+
+    def decay_weights(self, c: int, scratch: Scratch) -> torch.Tensor:
+        """e^{b_t - b_s} for s <= t, else 0, inside chunk c: `[Bt, 1, C, C]` (a `scratch` buffer)."""
+        b = self.cumulative[c]
+        weights = scratch("decay_weights", (b.shape[0], 1, self.chunk_size, self.chunk_size), b)
+        torch.sub(b[:, None, :, None], b[:, None, None, :], out=weights)
+        return weights.masked_fill_(self.hidden, float("-inf")).exp_()
+
+    def weighted(self, scores: torch.Tensor, c: int, scratch: Scratch) -> torch.Tensor:
+        """The scores `[Bt, G*C, C]` of chunk c masked and, with decay, weighted by e^{b_t - b_s}, in place."""
+        if self.cumulative is None:
+            return self.masked(scores)
+        self.per_group(scores).mul_(self.decay_weights(c, scratch))
+        return scores
+
+
+def _forward(chunks: _Chunks, state: torch.Tensor, kernel: ChunkKernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk loop: (augmented numerator `[n, Bt, G*C, Dv']`, the final state in float64 `[Bt, F, Dv']`)."""
+    query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
+    q = chunks.q
+    bt, feature_dim, width = q.shape[1], state.shape[-2], state.shape[-1]
+    exact = state.reshape(bt, feature_dim, width).to(torch.float64, copy=True)
+    running = exact if state.dtype == torch.float64 else exact.to(state.dtype)
+    out = q.new_empty(chunks.chunks, bt, q.shape[2], width)
+    for c in range(chunks.chunks):
+        phi_q = kernel.chunk_features(q[c], query_scratch, query=True)
+        phi_k = kernel.chunk_features(chunks.k[c], key_scratch, query=False)
+        intra = chunks.weighted(kernel.chunk_scores(q[c], chunks.k[c], phi_q, phi_k, scratch), c, scratch)
+        torch.bmm(phi_q.mT, running, out=out[c])
+        if chunks.cumulative is not None:
+            b = chunks.cumulative[c]
+            chunks.per_group(out[c]).mul_(b.exp()[:, None, :, None])
+            total = b[:, -1:]
+            exact.mul_(total.exp()[:, :, None])
+            phi_k = torch.mul(phi_k, torch.exp(total - b)[:, None, :], out=scratch("entering", phi_k.shape, q))
+        out[c].baddbmm_(intra, chunks.v[c])
+        exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", (bt, feature_dim, width), q))
+        if running is not exact:
+            running.copy_(exact)
+    return out, exact
+
+
+def _states_before_chunks(chunks: _Chunks, final: torch.Tensor, start: torch.Tensor, kernel: ChunkKernel):
+    """The state each chunk read, `[n, Bt, F, Dv']` in q's dtype, replaying `_forward`'s updates from `start`."""
+    scratch, key_scratch = Scratch(), Scratch()
+    q = chunks.q
+    exact = start.reshape(final.shape).to(torch.float64, copy=True)
+    states = q.new_empty(chunks.chunks, *final.shape)
+    for c in range(chunks.chunks):
+        states[c].copy_(exact)
+        phi_k = kernel.chunk_features(chunks.k[c], key_scratch, query=False)
+        b = chunks.cumulative[c]
+        total = b[:, -1:]
+        exact.mul_(total.exp()[:, :, None])
+        phi_k = torch.mul(phi_k, torch.exp(total - b)[:, None, :], out=scratch("entering", phi_k.shape, q))
+        exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", final.shape, q))
+    return states
+
+
+def _backward(
+    chunks: _Chunks, final: torch.Tensor, start: torch.Tensor | None, kernel: ChunkKernel, d_out, d_final_state
+):
+    """(dq, dk, dv chunk-first, d state `[Bt, F, Dv']`, d log-decays `[n, Bt, C]` or None) of `_forward`;
+    `start` (the initial state) only with decay."""
+    query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
+    q = chunks.q
+    n, bt, rows, _ = q.shape
+    size = chunks.chunk_size
+    feature_dim, width = final.shape[-2:]
+    decayed = chunks.cumulative is not None
+    if decayed:
+        states = _states_before_chunks(chunks, final, start, kernel)
+        d_log = torch.zeros_like(chunks.cumulative)
+    else:
+        exact = final.clone()
+        running = exact if q.dtype == torch.float64 else exact.to(q.dtype)
+        d_log = None
+    d_out = chunks.chunk_first(d_out)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(chunks.k), torch.zeros_like(chunks.v)
+    d_state = d_final_state.reshape(bt, feature_dim, width).clone()
+    for c in reversed(range(n)):
+        qc, kc, vc, doc = q[c], chunks.k[c], chunks.v[c], d_out[c]
+        phi_k = kernel.chunk_features(kc, key_scratch, query=False)
+        phi_q = kernel.chunk_features(qc, query_scratch, query=True)
+        if decayed:
+            previous = states[c]
+        else:  # rewind S_c = S_{c-1} + phi(k_c)^T v_c to the state chunk c read
+            exact -= torch.bmm(phi_k, vc, out=scratch("increment", (bt, feature_dim, width), q))
+            if running is not exact:
+                running.copy_(exact)
+            previous = running
+
+        # Inside the chunk: out_c += (weighted k(q_t, k_s)) v_s.
+        d_intra = torch.bmm(doc, vc.mT, out=scratch("d_intra", (bt, rows, size), q))
+        weighted = chunks.weighted(kernel.chunk_scores(qc, kc, phi_q, phi_k, scratch), c, scratch)
+        dv[c].baddbmm_(weighted.mT, doc)
+        if decayed:  # d b from e^{b_t - b_s}: + for the query t, - for the key s
+            products = chunks.per_group(torch.mul(d_intra, weighted, out=scratch("products", d_intra.shape, q)))
+            d_b = products.sum((1, 3)) - products.sum((1, 2))
+            chunks.per_group(d_intra).mul_(scratch.get("decay_weights"))  # (`weighted` filled it)
+        else:
+            chunks.masked(d_intra)
+        dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.chunk_scores_backward(
+            d_intra, qc, kc, phi_q, phi_k, scratch
+        )
+
+        # Across chunks: out_c += e^{b_t} phi(q_c) S_{c-1}, and S_c = e^{b_C} S_{c-1} + (e^{b_C - b_s}
+        # phi(k_c))^T v_c (d_state holds dL/dS_c until it becomes dL/dS_{c-1}).
+        if decayed:
+            b = chunks.cumulative[c]
+            total = b[:, -1:]
+            entering = torch.exp(total - b)  # e^{b_C - b_s} [Bt, C]
+            d_read = scratch("d_read", (bt, rows, width), q)
+            torch.mul(chunks.per_group(doc), b.exp()[:, None, :, None], out=chunks.per_group(d_read))
+            inter = torch.bmm(phi_q.mT, previous, out=scratch("inter", (bt, rows, width), q))
+            d_b += chunks.per_group(inter.mul_(d_read)).sum((1, 3))
+            d_entering_keys = torch.bmm(d_state, vc.mT, out=scratch("d_phi_k", (bt, feature_dim, size), q))
+            d_entering = (d_entering_keys * phi_k).sum(1) * entering  # d e^{b_C - b_s}, times it
+            d_b -= d_entering
+            d_b[:, -1] += d_entering.sum(-1) + total.squeeze(-1).exp() * (previous * d_state).sum((-2, -1))
+            d_phi_k = d_entering_keys.mul_(entering[:, None, :])
+            dv[c].baddbmm_(torch.mul(phi_k, entering[:, None, :], out=scratch("entering", phi_k.shape, q)).mT, d_state)
+            d_log[c] = d_b.flip(-1).cumsum(-1).flip(-1)  # b_t = g_1 + ... + g_t
+            d_phi_q = torch.bmm(previous, d_read.mT, out=scratch("d_phi_q", (bt, feature_dim, rows), q))
+            d_state.mul_(total.exp()[:, :, None]).baddbmm_(phi_q, d_read)
+        else:
+            d_phi_k = torch.bmm(d_state, vc.mT, out=scratch("d_phi_k", (bt, feature_dim, size), q))
+            d_phi_q = torch.bmm(previous, doc.mT, out=scratch("d_phi_q", (bt, feature_dim, rows), q))
+            dv[c].baddbmm_(phi_k.mT, d_state)
+            d_state.baddbmm_(phi_q, doc)
+        for found, total_grad in (
+            (d_phi_k_intra, d_phi_k),
+            (d_phi_q_intra, d_phi_q),
+            (dq_intra, dq[c]),
+            (dk_intra, dk[c]),
+        ):
+            if found is not None:
+                total_grad += found
+        dk[c] += kernel.chunk_features_backward(d_phi_k, key_scratch, query=False)
+        dq[c] += kernel.chunk_features_backward(d_phi_q, query_scratch, query=True)
+    return dq, dk, dv, d_state, d_log
 
 
 class _ChunkedKernelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, state, kernel, chunk_size):
-        chunks = _Chunks(q, k, v, chunk_size)
-        query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
-        bt, feature_dim, width = chunks.q.shape[1], state.shape[-2], state.shape[-1]
-        exact = state.reshape(bt, feature_dim, width).to(torch.float64, copy=True)
-        running = exact if state.dtype == torch.float64 else exact.to(state.dtype)
-        out = q.new_empty(chunks.chunks, bt, chunks.q.shape[2], width)
-        for c in range(chunks.chunks):
-            phi_q = kernel.chunk_features(chunks.q[c], query_scratch, query=True)
-            phi_k = kernel.chunk_features(chunks.k[c], key_scratch, query=False)
-            intra = chunks.masked(kernel.chunk_scores(chunks.q[c], chunks.k[c], phi_q, phi_k, scratch))
-            torch.bmm(phi_q.mT, running, out=out[c]).baddbmm_(intra, chunks.v[c])
-            exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", (bt, feature_dim, width), q))
-            if running is not exact:
-                running.copy_(exact)
-        ctx.save_for_backward(q, k, v, exact)
-        ctx.kernel, ctx.chunk_size, ctx.state_shape = kernel, chunk_size, state.shape
-        return chunks.restore(out, (*q.shape[:-1], width)), exact.to(state.dtype, copy=True).view(state.shape)
+    def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size):
+        chunks = _Chunks(q, k, v, chunk_size, log_decay)
+        out, final = _forward(chunks, state, kernel)
+        ctx.save_for_backward(q, k, v, final, log_decay, state if log_decay is not None else None)
+        ctx.kernel, ctx.chunk_size = kernel, chunk_size
+        return chunks.restore(out, (*q.shape[:-1], state.shape[-1])), final.to(state.dtype, copy=True).view(state.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_final_state):
-        q, k, v, final = ctx.saved_tensors
-        kernel = ctx.kernel
-        chunks = _Chunks(q, k, v, ctx.chunk_size)
-        query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
-        n, bt, rows, _ = chunks.q.shape
-        feature_dim, width = final.shape[-2:]
-        exact = final.clone()
-        running = exact if q.dtype == torch.float64 else exact.to(q.dtype)
-        d_out = chunks.chunk_first(d_out)
-        dq, dk, dv = torch.zeros_like(chunks.q), torch.zeros_like(chunks.k), torch.zeros_like(chunks.v)
-        d_state = d_final_state.reshape(bt, feature_dim, width).clone()
-        for c in reversed(range(n)):
-            qc, kc, vc, doc = chunks.q[c], chunks.k[c], chunks.v[c], d_out[c]
-            phi_k = kernel.chunk_features(kc, key_scratch, query=False)
-            phi_q = kernel.chunk_features(qc, query_scratch, query=True)
-            # Rewind S_c = S_{c-1} + phi(k_c)^T v_c to the state chunk c read.
-            exact -= torch.bmm(phi_k, vc, out=scratch("increment", (bt, feature_dim, width), q))
-            if running is not exact:
-                running.copy_(exact)
+        q, k, v, final, log_decay, start = ctx.saved_tensors
+        chunks = _Chunks(q, k, v, ctx.chunk_size, log_decay)
+        dq, dk, dv, d_state, d_log = _backward(chunks, final, start, ctx.kernel, d_out, d_final_state)
+        return (
+            chunks.restore(dq, q.shape),
+            chunks.restore(dk, k.shape),
+            chunks.restore(dv, v.shape),
+            d_state.view(d_final_state.shape),
+            None if d_log is None else chunks.restore(d_log[..., None], log_decay.shape),
+            None,
+            None,
+        )
 
-            # Inside the chunk: out_c += (k(q_t, k_s) masked) v_s.
-            d_intra = chunks.masked(torch.bmm(doc, vc.mT, out=scratch("d_intra", (bt, rows, ctx.chunk_size), q)))
-            dv[c].baddbmm_(chunks.masked(kernel.chunk_scores(qc, kc, phi_q, phi_k, scratch)).mT, doc)
-            dq_intra, dk_intra, d_phi_q_intra, d_phi_k_intra = kernel.chunk_scores_backward(
-                d_intra, qc, kc, phi_q, phi_k, scratch
-            )
 
-            # Across chunks: out_c += phi(q_c) S_{c-1}, and S_c = S_{c-1} + phi(k_c)^T v_c
-            # (d_state holds dL/dS_c until phi(q_c) adds its share for S_{c-1}).
-            d_phi_k = torch.bmm(d_state, vc.mT, out=scratch("d_phi_k", (bt, feature_dim, ctx.chunk_size), q))
-            d_phi_q = torch.bmm(running, doc.mT, out=scratch("d_phi_q", (bt, feature_dim, rows), q))
-            dv[c].baddbmm_(phi_k.mT, d_state)
-            d_state.baddbmm_(phi_q, doc)
-            for found, total in (
-                (d_phi_k_intra, d_phi_k),
-                (d_phi_q_intra, d_phi_q),
-                (dq_intra, dq[c]),
-                (dk_intra, dk[c]),
-            ):
-                if found is not None:
-                    total += found
-            dk[c] += kernel.chunk_features_backward(d_phi_k, key_scratch, query=False)
-            dq[c] += kernel.chunk_features_backward(d_phi_q, query_scratch, query=True)
-        dq, dk, dv = chunks.restore(dq, q.shape), chunks.restore(dk, k.shape), chunks.restore(dv, v.shape)
-        return dq, dk, dv, d_state.view(ctx.state_shape), None, None
+class _ChunkedFeatureAttention(torch.autograd.Function):
+    """Any feature map: its features for the whole call in one product, then the engine on them as
+    the identity map; the backward rebuilds the features and sends their gradients through the map
+    (to q, k and the map's learned tensors) with autograd, so only q, k and v are kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size, *learned):
+        phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
+        chunks = _Chunks(phi_q, phi_k, v, chunk_size, log_decay)
+        out, final = _forward(chunks, state, IdentityFeatures())
+        ctx.save_for_backward(q, k, v, final, log_decay, state if log_decay is not None else None, *learned)
+        ctx.kernel, ctx.chunk_size = kernel, chunk_size
+        return chunks.restore(out, (*q.shape[:-1], state.shape[-1])), final.to(state.dtype, copy=True).view(state.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_final_state):
+        q, k, v, final, log_decay, start, *learned = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [tensor.detach().requires_grad_() for tensor in (q, k, *learned)]
+            kernel = ctx.kernel.with_learned(*leaves[2:])
+            phi_q, phi_k = kernel.query_features(leaves[0]), kernel.key_features(leaves[1])
+        chunks = _Chunks(phi_q.detach(), phi_k.detach(), v, ctx.chunk_size, log_decay)
+        d_phi_q, d_phi_k, dv, d_state, d_log = _backward(chunks, final, start, IdentityFeatures(), d_out, d_final_state)
+        d_features = [chunks.restore(d_phi_q, phi_q.shape), chunks.restore(d_phi_k, phi_k.shape)]
+        grads = torch.autograd.grad([phi_q, phi_k], leaves, d_features, allow_unused=True)
+        return (
+            grads[0],
+            grads[1],
+            chunks.restore(dv, v.shape),
+            d_state.view(d_final_state.shape),
+            None if d_log is None else chunks.restore(d_log[..., None], log_decay.shape),
+            None,
+            None,
+            *grads[2:],
+        )
 
 
 def chunked_kernel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: ChunkKernel, chunk_size: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    kernel,
+    chunk_size: int,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
-    Memory is flat in L apart from O(L D) copies of the inputs and their gradients. A call
-    shorter than `chunk_size` runs as one chunk of its own length (no padding)."""
-    return _ChunkedKernelAttention.apply(q, k, v, state, kernel, max(1, min(chunk_size, q.shape[-2])))
+    """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position, the state
+    decayed by exp(`log_decay` `[B, Hkv, L]`) at each position before that position's key enters (None:
+    no decay). `kernel`: a `ChunkKernel` (`hand_written`) or any `FeatureKernel` of `ops.kernels`.
+    Memory is flat in L apart from O(L D) copies of the inputs and their gradients. A call shorter
+    than `chunk_size` runs as one chunk of its own length (no padding)."""
+    chunk_size = max(1, min(chunk_size, q.shape[-2]))
+    if kernel.hand_written:
+        return _ChunkedKernelAttention.apply(q, k, v, state, log_decay, kernel, chunk_size)
+    return _ChunkedFeatureAttention.apply(q, k, v, state, log_decay, kernel, chunk_size, *kernel.learned)

@@ -14,8 +14,8 @@ z decays the same way). The exact window and the sinks never decay.
 
 - `decay_weights`: the factors of the parallel (L x L) form, the reference of the others.
 - `chunked_decayed_linear_attention`: chunks of C positions in PyTorch, each recomputed in the
-  backward (`torch.utils.checkpoint`), so memory stays flat in L: the chunked form every kernel
-  can carry (the hand-written engine of `ops.chunked` has no decay).
+  backward (`torch.utils.checkpoint`): the reference of the hand-written engine's decay
+  (`ops.chunked`, which runs outside torch.compile), and the chunked form under torch.compile.
 
 Shapes: grouped q `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`, augmented values
 `[B, Hkv, L, Dv + 1]`, log-decays `[B, Hkv, L]`, state `[B, Hkv, F, Dv + 1]`.

@@ -7,11 +7,12 @@ learned tensors; the parallel, chunked and recurrent paths then only call its me
 
 - `ExpKernel`: exact exp, parallel form only (optionally clamped, optionally shifted by the
   row max where the normaliser ignores a per-row factor).
-- `FeatureKernel` subclasses: `query_features` / `key_features` (recurrent and generic chunked
-  paths), `scores` (parallel form and the generic chunked path). Kernels with
-  `hand_written = True` also implement the `chunk_*` methods the hand-written engine of
-  `ops.chunked` runs; the others go through autograd (`ops.linear`), and `learned` /
-  `with_learned` hand their tensors to it so that they receive gradients.
+- `FeatureKernel` subclasses: `query_features` / `key_features` (recurrent path, and the
+  features of a whole call for the chunked engine), `scores` (parallel form and the autograd
+  chunk loops). Kernels with `hand_written = True` also implement the `chunk_*` methods with which
+  the engine of `ops.chunked` rebuilds their features chunk by chunk; for the others it computes
+  the features of the whole call and sends their gradients back through the map with autograd, and
+  `learned` / `with_learned` hand it their tensors so that they receive gradients.
 
 Shapes: grouped queries `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`.
 """

@@ -9,11 +9,10 @@ Shapes: grouped q `[B, Hkv, G, L, D]`, k `[B, Hkv, L, D]`, augmented v `[B, Hkv,
 state `[B, Hkv, F, Dv + 1]`.
 
 - `chunked_linear_attention`: quadratic inside chunks of C positions, state carried between
-  chunks. Kernels with a hand-written backward run the `ops.chunked` engine; the others
-  (cosine, hedgehog) run `_ChunkedLinearAttention`, whose custom backward recomputes features
-  chunk by chunk through autograd (two sweeps); under torch.compile every kernel takes the generic
-  chunk loop, traced as plain autograd. Neither keeps an L x L matrix or the `[L, F]`
-  features: memory is flat in L. The generic path is also the engine's reference in tests.
+  chunks, in the hand-written engine of `ops.chunked` (every kernel, with or without decay), which
+  keeps no L x L matrix and no `[L, F]` features: memory is flat in L. Under torch.compile the
+  chunk loop is traced as plain autograd instead (`generic_chunked_linear_attention`, and
+  `ops.decay`'s loop with decay), and those loops are also the engine's references in tests.
 - On CUDA tensors with fla-core installed, `chunked_linear_attention` hands feature maps of at
   most 256 features to flash-linear-attention's kernel (`ops.fla_linear`, `ops.backends`).
 - `recurrent_linear_attention`: one position at a time; the slow, obviously-correct form
@@ -21,7 +20,7 @@ state `[B, Hkv, F, Dv + 1]`.
 
 Both take optional per-position log-decays `[B, Hkv, L]` (a data-dependent forget gate, see
 `ops.decay`): the state is multiplied by their exp before each position's key enters. The chunked
-form then runs fla's gated kernel on a GPU and `ops.decay` elsewhere.
+form then runs fla's gated kernel on a GPU and the engine elsewhere.
 """
 
 from __future__ import annotations
@@ -49,73 +48,6 @@ def _chunk_terms(kernel: FeatureKernel, qc, kc, vc) -> tuple[torch.Tensor, torch
     return kernel.query_features(qc), kernel.key_features(kc), intra
 
 
-def _chunked_forward(q, k, v, state, kernel: FeatureKernel, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk loop: (augmented numerator, state after the last chunk)."""
-    outputs, running = [], state
-    for sl in _chunk_slices(q.shape[-2], chunk_size):
-        phi_q, phi_k, intra = _chunk_terms(kernel, q[..., sl, :], k[..., sl, :], v[..., sl, :])
-        outputs.append(intra + grouped_matmul(phi_q, running))
-        running = running + phi_k.mT @ v[..., sl, :]
-    if not outputs:
-        return q.new_empty(*q.shape[:-1], v.shape[-1]), running
-    return torch.cat(outputs, dim=-2), running
-
-
-class _ChunkedLinearAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, state, kernel, chunk_size, *learned):
-        out, running = _chunked_forward(q, k, v, state, kernel, chunk_size)
-        ctx.save_for_backward(q, k, v, state, *learned)
-        ctx.kernel, ctx.chunk_size = kernel, chunk_size
-        return out, running
-
-    @staticmethod
-    def backward(ctx, d_out, d_final_state):
-        q, k, v, state, *learned = ctx.saved_tensors
-        slices = _chunk_slices(q.shape[-2], ctx.chunk_size)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        d_learned = [torch.zeros_like(tensor) for tensor in learned]
-        kernel = ctx.kernel.with_learned(*learned)
-
-        def leaves(*tensors):
-            return [t.detach().requires_grad_() for t in tensors]
-
-        def accumulate(grads, targets):
-            for grad, target in zip(grads, targets):
-                if grad is not None:
-                    target += grad
-
-        # Sweep 1, forward order: the inter-chunk term phi(q_c) S_{c-1} needs the state before c.
-        # d phi(q_c) = d_out_c S_{c-1}^T by hand; autograd only runs through the feature map.
-        running = state.detach()
-        for sl in slices:
-            qc, kc, vc = q[..., sl, :], k[..., sl, :], v[..., sl, :]
-            d_phi_q = grouped_matmul(d_out[..., sl, :], running.mT)
-            with torch.enable_grad():
-                qc_leaf, *learned_leaves = leaves(qc, *learned)
-                phi_q = kernel.with_learned(*learned_leaves).query_features(qc_leaf)
-                grads = torch.autograd.grad(phi_q, [qc_leaf, *learned_leaves], d_phi_q, allow_unused=True)
-            accumulate(grads, [dq[..., sl, :], *d_learned])
-            running = running + kernel.key_features(kc).mT @ vc
-
-        # Sweep 2, reverse order: dS carries d(loss)/d(state after chunk c). The state update
-        # phi(k_c)^T v_c gives d phi(k_c) = v_c dS^T and d v_c = phi(k_c) dS, by hand.
-        d_state = d_final_state.clone()
-        for sl in reversed(slices):
-            qc, kc, vc, doc = q[..., sl, :], k[..., sl, :], v[..., sl, :], d_out[..., sl, :]
-            with torch.enable_grad():
-                qc_leaf, kc_leaf, vc_leaf, *learned_leaves = leaves(qc, kc, vc, *learned)
-                phi_q, phi_k, intra = _chunk_terms(kernel.with_learned(*learned_leaves), qc_leaf, kc_leaf, vc_leaf)
-                d_phi_k = vc @ d_state.mT
-                inputs = [qc_leaf, kc_leaf, vc_leaf, *learned_leaves]
-                grads = torch.autograd.grad([intra, phi_k], inputs, [doc, d_phi_k], allow_unused=True)
-            accumulate(grads, [dq[..., sl, :], dk[..., sl, :], dv[..., sl, :], *d_learned])
-            dv[..., sl, :] += phi_k.detach() @ d_state
-            d_state = d_state + torch.einsum("bhgcf,bhgcd->bhfd", phi_q.detach(), doc)
-
-        return dq, dk, dv, d_state, None, None, *d_learned
-
-
 def chunked_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,23 +71,26 @@ def chunked_linear_attention(
         return fla_chunked_linear_attention(
             q, k, v, state, kernel, io_dtype, chunk_function, log_decay, empty_state, final_state
         )
-    if log_decay is not None:
-        return chunked_decayed_linear_attention(q, k, v, log_decay, state, kernel, chunk_size)
-    if kernel.hand_written and not torch.compiler.is_compiling():  # its preallocated out= buffers do not trace
-        return chunked_kernel_attention(q, k, v, state, kernel, chunk_size)
-    return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)
+    if torch.compiler.is_compiling():  # the engine's preallocated out= buffers do not trace
+        if log_decay is not None:
+            return chunked_decayed_linear_attention(q, k, v, log_decay, state, kernel, chunk_size)
+        return generic_chunked_linear_attention(q, k, v, state, kernel, chunk_size)
+    return chunked_kernel_attention(q, k, v, state, kernel, chunk_size, log_decay)
 
 
 def generic_chunked_linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, kernel: FeatureKernel, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The autograd path for any kernel (the reference of the hand-written engine). Under
-    torch.compile the chunk loop is traced as it is (autograd keeps each chunk's features, which
-    the custom backward would recompute): Dynamo cannot trace a Python loop inside an
-    autograd.Function whose chunk count it has lifted to a symbol."""
-    if torch.compiler.is_compiling():
-        return _chunked_forward(q, k, v, state, kernel, chunk_size)
-    return _ChunkedLinearAttention.apply(q, k, v, state, kernel, chunk_size, *kernel.learned)
+    """The chunk loop through autograd, for any kernel: the engine's reference, and the path under
+    torch.compile, which traces the loop as it is (autograd then keeps each chunk's features)."""
+    outputs, running = [], state
+    for sl in _chunk_slices(q.shape[-2], chunk_size):
+        phi_q, phi_k, intra = _chunk_terms(kernel, q[..., sl, :], k[..., sl, :], v[..., sl, :])
+        outputs.append(intra + grouped_matmul(phi_q, running))
+        running = running + phi_k.mT @ v[..., sl, :]
+    if not outputs:
+        return q.new_empty(*q.shape[:-1], v.shape[-1]), running
+    return torch.cat(outputs, dim=-2), running
 
 
 def recurrent_linear_attention(
