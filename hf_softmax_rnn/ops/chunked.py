@@ -90,14 +90,18 @@ class FeatureProducts:
 
 
 class IdentityFeatures(FeatureProducts):
-    """phi(x) = x: the engine's kernel for features computed before the call."""
+    """phi(x) = x, times `query_scale` for queries: the engine's kernel for features computed before
+    the call (the scale applied chunk by chunk saves a pass over the call's query features)."""
+
+    def __init__(self, query_scale: float = 1.0) -> None:
+        self.query_scale = query_scale
 
     def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
-        return rows.copy_(x.mT)
+        return rows.copy_(x.mT).mul_(self.query_scale) if query and self.query_scale != 1.0 else rows.copy_(x.mT)
 
     def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        return grad.mT
+        return (grad.mul_(self.query_scale) if query and self.query_scale != 1.0 else grad).mT
 
 
 class _Chunks:
@@ -314,13 +318,16 @@ class _ChunkedKernelAttention(torch.autograd.Function):
 class _ChunkedFeatureAttention(torch.autograd.Function):
     """Any feature map: its features for the whole call in one product, then the engine on them as
     the identity map; the backward rebuilds the features and sends their gradients through the map
-    (to q, k and the map's learned tensors) with autograd, so only q, k and v are kept."""
+    (to q, k and the map's learned tensors) with autograd, so only q, k and v are kept. Each pass
+    holds the call's features (and their chunk-first copies) for a while: O(L F) memory that is
+    freed when the pass ends."""
 
     @staticmethod
     def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size, *learned):
-        phi_q, phi_k = kernel.query_features(q), kernel.key_features(k)
-        chunks = _Chunks(phi_q, phi_k, v, chunk_size, log_decay)
-        out, final = _forward(chunks, state, IdentityFeatures())
+        phi_q, query_scale = kernel.query_features_and_factor(q)
+        chunks = _Chunks(phi_q, kernel.key_features(k), v, chunk_size, log_decay)
+        del phi_q  # (the loop reads the chunk-first copies)
+        out, final = _forward(chunks, state, IdentityFeatures(query_scale))
         ctx.save_for_backward(q, k, v, final, log_decay, state if log_decay is not None else None, *learned)
         ctx.kernel, ctx.chunk_size = kernel, chunk_size
         return chunks.restore(out, (*q.shape[:-1], state.shape[-1])), final.to(state.dtype, copy=True).view(state.shape)
@@ -332,17 +339,24 @@ class _ChunkedFeatureAttention(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [tensor.detach().requires_grad_() for tensor in (q, k, *learned)]
             kernel = ctx.kernel.with_learned(*leaves[2:])
-            phi_q, phi_k = kernel.query_features(leaves[0]), kernel.key_features(leaves[1])
+            phi_q, query_scale = kernel.query_features_and_factor(leaves[0])
+            phi_k = kernel.key_features(leaves[1])
         chunks = _Chunks(phi_q.detach(), phi_k.detach(), v, ctx.chunk_size, log_decay)
-        d_phi_q, d_phi_k, dv, d_state, d_log = _backward(chunks, final, start, IdentityFeatures(), d_out, d_final_state)
+        identity = IdentityFeatures(query_scale)
+        d_phi_q, d_phi_k, dv, d_state, d_log = _backward(chunks, final, start, identity, d_out, d_final_state)
+        dv, d_log = (
+            chunks.restore(dv, v.shape),
+            None if d_log is None else chunks.restore(d_log[..., None], log_decay.shape),
+        )
         d_features = [chunks.restore(d_phi_q, phi_q.shape), chunks.restore(d_phi_k, phi_k.shape)]
+        del chunks, d_phi_q, d_phi_k  # (chunk-first copies: freed before autograd's pass through the map)
         grads = torch.autograd.grad([phi_q, phi_k], leaves, d_features, allow_unused=True)
         return (
             grads[0],
             grads[1],
-            chunks.restore(dv, v.shape),
+            dv,
             d_state.view(d_final_state.shape),
-            None if d_log is None else chunks.restore(d_log[..., None], log_decay.shape),
+            d_log,
             None,
             None,
             *grads[2:],
