@@ -162,6 +162,17 @@ class _Chunks:
         return scores
 
 
+def _enter_chunk(chunks: _Chunks, c: int, exact: torch.Tensor, phi_k: torch.Tensor, scratch: Scratch) -> None:
+    """S_c = e^{b_C} S_{c-1} + (e^{b_C - b_s} phi(k_c))^T v_c (without decay S_{c-1} + phi(k_c)^T v_c), in
+    place on `exact` `[Bt, F, Dv']`, from chunk c's key features `phi_k` `[Bt, F, C]`."""
+    if chunks.cumulative is not None:
+        b = chunks.cumulative[c]
+        total = b[:, -1:]
+        exact.mul_(total.exp()[:, :, None])
+        phi_k = torch.mul(phi_k, torch.exp(total - b)[:, None, :], out=scratch("entering", phi_k.shape, phi_k))
+    exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", exact.shape, phi_k))
+
+
 def _forward(chunks: _Chunks, state: torch.Tensor, kernel: ChunkKernel) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk loop: (augmented numerator `[n, Bt, G*C, Dv']`, the final state in float64 `[Bt, F, Dv']`)."""
     query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
@@ -176,13 +187,9 @@ def _forward(chunks: _Chunks, state: torch.Tensor, kernel: ChunkKernel) -> tuple
         intra = chunks.weighted(kernel.chunk_scores(q[c], chunks.k[c], phi_q, phi_k, scratch), c, scratch)
         torch.bmm(phi_q.mT, running, out=out[c])
         if chunks.cumulative is not None:
-            b = chunks.cumulative[c]
-            chunks.per_group(out[c]).mul_(b.exp()[:, None, :, None])
-            total = b[:, -1:]
-            exact.mul_(total.exp()[:, :, None])
-            phi_k = torch.mul(phi_k, torch.exp(total - b)[:, None, :], out=scratch("entering", phi_k.shape, q))
+            chunks.per_group(out[c]).mul_(chunks.cumulative[c].exp()[:, None, :, None])
         out[c].baddbmm_(intra, chunks.v[c])
-        exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", (bt, feature_dim, width), q))
+        _enter_chunk(chunks, c, exact, phi_k, scratch)
         if running is not exact:
             running.copy_(exact)
     return out, exact
@@ -191,17 +198,11 @@ def _forward(chunks: _Chunks, state: torch.Tensor, kernel: ChunkKernel) -> tuple
 def _states_before_chunks(chunks: _Chunks, final: torch.Tensor, start: torch.Tensor, kernel: ChunkKernel):
     """The state each chunk read, `[n, Bt, F, Dv']` in q's dtype, replaying `_forward`'s updates from `start`."""
     scratch, key_scratch = Scratch(), Scratch()
-    q = chunks.q
     exact = start.reshape(final.shape).to(torch.float64, copy=True)
-    states = q.new_empty(chunks.chunks, *final.shape)
+    states = chunks.q.new_empty(chunks.chunks, *final.shape)
     for c in range(chunks.chunks):
         states[c].copy_(exact)
-        phi_k = kernel.chunk_features(chunks.k[c], key_scratch, query=False)
-        b = chunks.cumulative[c]
-        total = b[:, -1:]
-        exact.mul_(total.exp()[:, :, None])
-        phi_k = torch.mul(phi_k, torch.exp(total - b)[:, None, :], out=scratch("entering", phi_k.shape, q))
-        exact += torch.bmm(phi_k, chunks.v[c], out=scratch("increment", final.shape, q))
+        _enter_chunk(chunks, c, exact, kernel.chunk_features(chunks.k[c], key_scratch, query=False), scratch)
     return states
 
 
