@@ -2,12 +2,19 @@
 or without a decaying state.
 
 The generic `ops.linear.generic_chunked_linear_attention` (autograd through a chunk loop) and
-`ops.decay.chunked_decayed_linear_attention` are its references. What makes this one fast on a
-CPU, where the per-chunk tensors rather than the matmuls set the pace:
-- kernels whose features are cheap to rebuild (Taylor-N, the elementwise maps identity / elu /
-  relu; `hand_written = True`) build them chunk by chunk in both passes; the other maps (cosine,
-  hedgehog) are computed for the whole call in one product and run through the engine as the
-  identity map, and the backward rebuilds them once, so memory stays flat in L either way;
+`ops.decay.chunked_decayed_linear_attention` are its references. Two forms:
+
+- Kernels whose features are cheap to rebuild (Taylor-N, the elementwise maps identity / elu /
+  relu; `hand_written = True`) build them chunk by chunk in both passes (`_forward`, `_backward`):
+  Taylor-2's features are 2,145 wide, too wide to hold for a whole call.
+- The other maps (cosine, hedgehog: at most 2D features) are computed for the whole call in one
+  product, and every chunk's products run in one batched product (`_feature_forward`,
+  `_feature_backward`); only the states, one addition a chunk, run in order. The backward rebuilds
+  the features and the states, so what a call keeps for its backward pass stays q, k and v; each
+  pass holds O(L F) for its duration.
+
+What makes the chunk-by-chunk form fast on a CPU, where the per-chunk tensors rather than the
+matmuls set the pace:
 - features are feature-major, `[Bt, F, T]`, so every state product is a plain batched matmul
   and no gradient needs a transpose;
 - without decay, the backward is one reverse sweep that rewinds the state,
@@ -77,31 +84,6 @@ class ChunkKernel(Protocol):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(d q, d k, d phi(q), d phi(k)) from d scores, after the last `chunk_scores` call; None where
         the kernel sends nothing (it reaches q and k either directly or through the features)."""
-
-
-class FeatureProducts:
-    """`ChunkKernel`'s scores for maps whose kernel is the plain product phi(q).phi(s)."""
-
-    def chunk_scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
-        return torch.bmm(phi_q.mT, phi_k, out=scratch("scores", (q.shape[0], q.shape[1], k.shape[1]), q))
-
-    def chunk_scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
-        return None, None, phi_k @ d_scores.mT, phi_q @ d_scores
-
-
-class IdentityFeatures(FeatureProducts):
-    """phi(x) = x, times `query_scale` for queries: the engine's kernel for features computed before
-    the call (the scale applied chunk by chunk saves a pass over the call's query features)."""
-
-    def __init__(self, query_scale: float = 1.0) -> None:
-        self.query_scale = query_scale
-
-    def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
-        return rows.copy_(x.mT).mul_(self.query_scale) if query and self.query_scale != 1.0 else rows.copy_(x.mT)
-
-    def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        return (grad.mul_(self.query_scale) if query and self.query_scale != 1.0 else grad).mT
 
 
 class _Chunks:
@@ -316,35 +298,136 @@ class _ChunkedKernelAttention(torch.autograd.Function):
         )
 
 
+def _intra_weights(chunks: _Chunks) -> torch.Tensor:
+    """The causal mask `[C, C]`, or with decay e^{b_t - b_s} for s <= t, else 0, `[n, Bt, 1, C, C]`."""
+    if chunks.cumulative is None:
+        return chunks.causal
+    b = chunks.cumulative
+    return (b[..., None, :, None] - b[..., None, None, :]).masked_fill_(chunks.hidden, float("-inf")).exp_()
+
+
+def _states_before(chunks: _Chunks, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the state each chunk reads `[n, Bt, F, Dv']` in q's dtype, the final state in float64 `[Bt, F, Dv']`)
+    from the initial one: the increments of all chunks in one product, then their sum in float64."""
+    k, v = chunks.k, chunks.v
+    n, bt = k.shape[:2]
+    if chunks.cumulative is not None:
+        total = chunks.cumulative[..., -1:]
+        k = k * torch.exp(total - chunks.cumulative)[..., None]
+        decays = total.exp()[..., None].to(torch.float64)  # [n, Bt, 1, 1]
+    increments = torch.bmm(k.flatten(0, 1).mT, v.flatten(0, 1)).view(n, bt, k.shape[-1], v.shape[-1])
+    exact = start.reshape(increments.shape[1:]).to(torch.float64, copy=True)
+    states = increments.new_empty(increments.shape)
+    for c in range(n):
+        states[c].copy_(exact)
+        if chunks.cumulative is not None:
+            exact.mul_(decays[c])
+        exact += increments[c]
+    return states, exact
+
+
+def _feature_forward(chunks: _Chunks, start: torch.Tensor, query_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_forward` for features given whole (`chunks.q` `[n, Bt, G*C, F]`, `chunks.k` `[n, Bt, C, F]`, times
+    `query_scale` for the queries), every chunk in one batched product: only the states run chunk by chunk."""
+    q, k, v = (x.flatten(0, 1) for x in (chunks.q, chunks.k, chunks.v))
+    n, bt, rows = chunks.q.shape[:3]
+    scores = torch.bmm(q, k.mT)
+    scores.view(n, bt, chunks.groups, chunks.chunk_size, -1).mul_(_intra_weights(chunks))
+    states, final = _states_before(chunks, start)
+    out = torch.bmm(q, states.flatten(0, 1))
+    if chunks.cumulative is not None:
+        chunks.per_group(out).mul_(chunks.cumulative.flatten(0, 1).exp()[:, None, :, None])
+    out.baddbmm_(scores, v).mul_(query_scale)
+    return out.view(n, bt, rows, -1), final
+
+
+def _feature_backward(chunks: _Chunks, start: torch.Tensor, query_scale: float, d_out, d_final_state):
+    """(d phi(q) `[n, Bt, G*C, F]`, d phi(k), dv chunk-first, d state `[Bt, F, Dv']`, d log-decays `[n, Bt, C]`
+    or None) of `_feature_forward`, batched the same way; the states are rebuilt first."""
+    q, k, v = (x.flatten(0, 1) for x in (chunks.q, chunks.k, chunks.v))
+    n, bt, rows, _ = chunks.q.shape
+    groups, size, decayed = chunks.groups, chunks.chunk_size, chunks.cumulative is not None
+    d_out = chunks.chunk_first(d_out).flatten(0, 1).mul_(query_scale)  # (a copy: chunk_first permutes)
+    states, _ = _states_before(chunks, start)
+    states = states.flatten(0, 1)
+    d_read = d_out  # e^{b_t} d out_t: what the state read by chunk c receives
+    if decayed:
+        cumulative = chunks.cumulative.flatten(0, 1)  # [n * Bt, C]
+        total = cumulative[:, -1:]
+        d_read = chunks.per_group(d_out).mul(cumulative.exp()[:, None, :, None]).view(d_out.shape)
+    reads = torch.bmm(q.mT, d_read).view(n, bt, *states.shape[-2:])
+    d_after = torch.empty_like(reads)  # dL/dS_c, the state after chunk c
+    d_state = d_final_state.reshape(reads.shape[1:]).clone()
+    for c in reversed(range(n)):
+        d_after[c].copy_(d_state)
+        if decayed:
+            d_state.mul_(total.view(n, bt)[c].exp()[:, None, None])
+        d_state += reads[c]
+    del reads  # (the full-size tensors of this pass are dropped as soon as they are used up)
+    d_after = d_after.flatten(0, 1)
+
+    # Across chunks: out_c += e^{b_t} phi(q_c) S_{c-1}; S_c = e^{b_C} S_{c-1} + (e^{b_C - b_s} phi(k_c))^T v_c.
+    dq = torch.bmm(d_read, states.mT)
+    dk = torch.bmm(v, d_after.mT)  # v_s dS_c^T, before the factors e^{b_C - b_s}
+    d_log = None
+    if decayed:
+        entering = torch.exp(total - cumulative)  # [n * Bt, C]
+        d_entering = (dk * k).sum(-1) * entering  # d e^{b_C - b_s}, times it
+        dk.mul_(entering[..., None])
+        dv = torch.bmm(k * entering[..., None], d_after)
+        inter = torch.bmm(q, states)  # phi(q_t) S_{c-1}, before e^{b_t}
+        d_b = chunks.per_group(inter.mul_(d_read)).sum((1, 3)) - d_entering
+        d_b[:, -1] += d_entering.sum(-1) + total.squeeze(-1).exp() * (states * d_after).sum((-2, -1))
+        del inter
+    else:
+        dv = torch.bmm(k, d_after)
+    del states, d_after, d_read
+
+    # Inside a chunk: out_c += (weighted phi(q_t).phi(k_s)) v_s.
+    weights = _intra_weights(chunks)
+    weighted = torch.bmm(q, k.mT)
+    weighted.view(n, bt, groups, size, size).mul_(weights)
+    dv.baddbmm_(weighted.mT, d_out)
+    d_scores = torch.bmm(d_out, v.mT)
+    if decayed:  # d b from e^{b_t - b_s}: + for the query t, - for the key s
+        products = chunks.per_group(weighted.mul_(d_scores))
+        d_b += products.sum((1, 3)) - products.sum((1, 2))
+        d_log = d_b.flip(-1).cumsum(-1).flip(-1).view(n, bt, size)  # b_t = g_1 + ... + g_t
+    d_scores.view(n, bt, groups, size, size).mul_(weights)
+    dq.baddbmm_(d_scores, k)
+    dk.baddbmm_(d_scores.mT, q)
+    shape = (n, bt, -1, q.shape[-1])
+    return dq.view(shape), dk.view(shape), dv.view(n, bt, size, -1), d_state, d_log
+
+
 class _ChunkedFeatureAttention(torch.autograd.Function):
-    """Any feature map: its features for the whole call in one product, then the engine on them as
-    the identity map; the backward rebuilds the features and sends their gradients through the map
-    (to q, k and the map's learned tensors) with autograd, so only q, k and v are kept. Each pass
-    holds the call's features (and their chunk-first copies) for a while: O(L F) memory that is
-    freed when the pass ends."""
+    """Any feature map: its features for the whole call in one product, then every chunk at once
+    (`_feature_forward`); the backward rebuilds the features and sends their gradients through the map
+    (to q, k and the map's learned tensors) with autograd, so only q, k, v and the initial state are
+    kept. Each pass holds the call's features, their chunk-first copies and the states before each
+    chunk for a while: O(L F) memory that is freed when the pass ends."""
 
     @staticmethod
     def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size, *learned):
         phi_q, query_scale = kernel.query_features_and_factor(q)
         chunks = _Chunks(phi_q, kernel.key_features(k), v, chunk_size, log_decay)
         del phi_q  # (the loop reads the chunk-first copies)
-        out, final = _forward(chunks, state, IdentityFeatures(query_scale))
-        ctx.save_for_backward(q, k, v, final, log_decay, state if log_decay is not None else None, *learned)
+        out, final = _feature_forward(chunks, state, query_scale)
+        ctx.save_for_backward(q, k, v, log_decay, state, *learned)
         ctx.kernel, ctx.chunk_size = kernel, chunk_size
         return chunks.restore(out, (*q.shape[:-1], state.shape[-1])), final.to(state.dtype, copy=True).view(state.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_final_state):
-        q, k, v, final, log_decay, start, *learned = ctx.saved_tensors
+        q, k, v, log_decay, start, *learned = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [tensor.detach().requires_grad_() for tensor in (q, k, *learned)]
             kernel = ctx.kernel.with_learned(*leaves[2:])
             phi_q, query_scale = kernel.query_features_and_factor(leaves[0])
             phi_k = kernel.key_features(leaves[1])
         chunks = _Chunks(phi_q.detach(), phi_k.detach(), v, ctx.chunk_size, log_decay)
-        identity = IdentityFeatures(query_scale)
-        d_phi_q, d_phi_k, dv, d_state, d_log = _backward(chunks, final, start, identity, d_out, d_final_state)
+        d_phi_q, d_phi_k, dv, d_state, d_log = _feature_backward(chunks, start, query_scale, d_out, d_final_state)
         dv, d_log = (
             chunks.restore(dv, v.shape),
             None if d_log is None else chunks.restore(d_log[..., None], log_decay.shape),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import DENOMINATOR_NORMALIZERS, AttentionSpec
-from hf_softmax_rnn.ops.chunked import FeatureProducts, Scratch
+from hf_softmax_rnn.ops.chunked import Scratch
 from hf_softmax_rnn.ops.kernels import AttentionParams, ExpKernel, FeatureKernel
 from hf_softmax_rnn.ops.taylor import TaylorKernel
 
@@ -29,7 +29,7 @@ ELEMENTWISE_MAPS: dict[str, tuple[ElementwiseFn, ElementwiseFn]] = {
 }
 
 
-class ElementwiseKernel(FeatureProducts, FeatureKernel):
+class ElementwiseKernel(FeatureKernel):
     """phi applied elementwise (identity, elu, relu); the scale multiplies phi(q)."""
 
     hand_written = True
@@ -57,6 +57,12 @@ class ElementwiseKernel(FeatureProducts, FeatureKernel):
     def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
         grad_x = grad * self.derivative(scratch.get("rows"))
         return (grad_x.mul_(self.scale) if query else grad_x).mT
+
+    def chunk_scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
+        return torch.bmm(phi_q.mT, phi_k, out=scratch("scores", (q.shape[0], q.shape[1], k.shape[1]), q))
+
+    def chunk_scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
+        return None, None, phi_k @ d_scores.mT, phi_q @ d_scores
 
 
 class CosineKernel(FeatureKernel):
