@@ -51,7 +51,7 @@ FINETUNE_HINT = (
     "`hf-softmax-rnn finetune` trains them; its default, hedgehog_window_256_sinks_4_kept_256_decay (exact softmax "
     "over the first 4, the last 256 and 256 kept older positions, 2,048 in 6 retrieval layers, a decaying learned "
     "feature map beyond), came back to 1.00x the original perplexity on 1,024-token windows of SmolLM2-135M with its "
-    "default 20 distillation steps of 2,048 tokens and 10 of its state alone on 4,096 (15 min on 2 CPU cores; "
+    "default 20 distillation steps of 2,048 tokens and 10 of its state alone on 4,096 (14 min on 2 CPU cores; "
     "docs/finetuning.md)."
 )
 
