@@ -177,33 +177,33 @@ def _forward(chunks: _Chunks, state: torch.Tensor, kernel: ChunkKernel) -> tuple
     return out, exact
 
 
-def _states_before_chunks(chunks: _Chunks, final: torch.Tensor, start: torch.Tensor, kernel: ChunkKernel):
-    """The state each chunk read, `[n, Bt, F, Dv']` in q's dtype, replaying `_forward`'s updates from `start`."""
+def _replay_states(chunks: _Chunks, start: torch.Tensor, kernel: ChunkKernel) -> torch.Tensor:
+    """The state each chunk read, `[n, Bt, F, Dv']` in q's dtype, replaying `_forward`'s updates from the
+    initial state `start`."""
     scratch, key_scratch = Scratch(), Scratch()
-    exact = start.reshape(final.shape).to(torch.float64, copy=True)
-    states = chunks.q.new_empty(chunks.chunks, *final.shape)
+    exact = start.reshape(chunks.q.shape[1], *start.shape[-2:]).to(torch.float64, copy=True)
+    states = chunks.q.new_empty(chunks.chunks, *exact.shape)
     for c in range(chunks.chunks):
         states[c].copy_(exact)
         _enter_chunk(chunks, c, exact, kernel.chunk_features(chunks.k[c], key_scratch, query=False), scratch)
     return states
 
 
-def _backward(
-    chunks: _Chunks, final: torch.Tensor, start: torch.Tensor | None, kernel: ChunkKernel, d_out, d_final_state
-):
-    """(dq, dk, dv chunk-first, d state `[Bt, F, Dv']`, d log-decays `[n, Bt, C]` or None) of `_forward`;
-    `start` (the initial state) only with decay."""
+def _backward(chunks: _Chunks, saved_state: torch.Tensor, kernel: ChunkKernel, d_out, d_final_state):
+    """(dq, dk, dv chunk-first, d state `[Bt, F, Dv']`, d log-decays `[n, Bt, C]` or None) of `_forward`.
+    `saved_state`: without decay the final state in float64 (rewound chunk by chunk), with decay the
+    initial state (replayed forward)."""
     query_scratch, key_scratch, scratch = Scratch(), Scratch(), Scratch()
     q = chunks.q
     n, bt, rows, _ = q.shape
     size = chunks.chunk_size
-    feature_dim, width = final.shape[-2:]
+    feature_dim, width = saved_state.shape[-2:]
     decayed = chunks.cumulative is not None
     if decayed:
-        states = _states_before_chunks(chunks, final, start, kernel)
-        d_log = torch.zeros_like(chunks.cumulative)
+        states = _replay_states(chunks, saved_state, kernel)
+        d_log = torch.empty_like(chunks.cumulative)
     else:
-        exact = final.clone()
+        exact = saved_state.clone()
         running = exact if q.dtype == torch.float64 else exact.to(q.dtype)
         d_log = None
     d_out = chunks.chunk_first(d_out)
@@ -277,16 +277,16 @@ class _ChunkedKernelAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size):
         chunks = _Chunks(q, k, v, chunk_size, log_decay)
         out, final = _forward(chunks, state, kernel)
-        ctx.save_for_backward(q, k, v, final, log_decay, state if log_decay is not None else None)
+        ctx.save_for_backward(q, k, v, log_decay, final if log_decay is None else state)
         ctx.kernel, ctx.chunk_size = kernel, chunk_size
         return chunks.restore(out, (*q.shape[:-1], state.shape[-1])), final.to(state.dtype, copy=True).view(state.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_final_state):
-        q, k, v, final, log_decay, start = ctx.saved_tensors
+        q, k, v, log_decay, saved_state = ctx.saved_tensors
         chunks = _Chunks(q, k, v, ctx.chunk_size, log_decay)
-        dq, dk, dv, d_state, d_log = _backward(chunks, final, start, ctx.kernel, d_out, d_final_state)
+        dq, dk, dv, d_state, d_log = _backward(chunks, saved_state, ctx.kernel, d_out, d_final_state)
         return (
             chunks.restore(dq, q.shape),
             chunks.restore(dk, k.shape),
@@ -306,7 +306,7 @@ def _intra_weights(chunks: _Chunks) -> torch.Tensor:
     return (b[..., None, :, None] - b[..., None, None, :]).masked_fill_(chunks.hidden, float("-inf")).exp_()
 
 
-def _states_before(chunks: _Chunks, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _batched_states(chunks: _Chunks, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the state each chunk reads `[n, Bt, F, Dv']` in q's dtype, the final state in float64 `[Bt, F, Dv']`)
     from the initial one: the increments of all chunks in one product, then their sum in float64."""
     k, v = chunks.k, chunks.v
@@ -333,7 +333,7 @@ def _feature_forward(chunks: _Chunks, start: torch.Tensor, query_scale: float) -
     n, bt, rows = chunks.q.shape[:3]
     scores = torch.bmm(q, k.mT)
     scores.view(n, bt, chunks.groups, chunks.chunk_size, -1).mul_(_intra_weights(chunks))
-    states, final = _states_before(chunks, start)
+    states, final = _batched_states(chunks, start)
     out = torch.bmm(q, states.flatten(0, 1))
     if chunks.cumulative is not None:
         chunks.per_group(out).mul_(chunks.cumulative.flatten(0, 1).exp()[:, None, :, None])
@@ -347,8 +347,8 @@ def _feature_backward(chunks: _Chunks, start: torch.Tensor, query_scale: float, 
     q, k, v = (x.flatten(0, 1) for x in (chunks.q, chunks.k, chunks.v))
     n, bt, rows, _ = chunks.q.shape
     groups, size, decayed = chunks.groups, chunks.chunk_size, chunks.cumulative is not None
-    d_out = chunks.chunk_first(d_out).flatten(0, 1).mul_(query_scale)  # (a copy: chunk_first permutes)
-    states, _ = _states_before(chunks, start)
+    d_out = chunks.chunk_first(d_out).flatten(0, 1).mul_(query_scale)  # (chunk_first copies)
+    states, _ = _batched_states(chunks, start)
     states = states.flatten(0, 1)
     d_read = d_out  # e^{b_t} d out_t: what the state read by chunk c receives
     if decayed:
