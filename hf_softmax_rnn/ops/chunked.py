@@ -4,14 +4,14 @@ or without a decaying state.
 The generic `ops.linear.generic_chunked_linear_attention` (autograd through a chunk loop) and
 `ops.decay.chunked_decayed_linear_attention` are its references. Two forms:
 
-- Kernels whose features are cheap to rebuild (Taylor-N, the elementwise maps identity / elu /
-  relu; `hand_written = True`) build them chunk by chunk in both passes (`_forward`, `_backward`):
-  Taylor-2's features are 2,145 wide, too wide to hold for a whole call.
-- The other maps (cosine, hedgehog: at most 2D features) are computed for the whole call in one
-  product, and every chunk's products run in one batched product (`_feature_forward`,
-  `_feature_backward`); only the states, one addition a chunk, run in order. The backward rebuilds
-  the features and the states, so what a call keeps for its backward pass stays q, k and v; each
-  pass holds O(L F) for its duration.
+- Features at most `WHOLE_CALL_FEATURES` times the head dimension wide (the elementwise maps,
+  cosine, hedgehog, Taylor-0 and -1) are computed for the whole call in one product, and every
+  chunk's products run in one batched product (`_feature_forward`, `_feature_backward`); only the
+  states, one addition a chunk, run in order. The backward rebuilds the features and the states, so
+  what a call keeps for its backward pass stays q, k and v; each pass holds O(L F) for its duration.
+- Wider features (Taylor-2 and up: 2,145 a head for D = 64, too wide to hold for a whole call) are
+  rebuilt chunk by chunk in both passes by their kernel's `chunk_*` methods (`hand_written = True`;
+  `_forward`, `_backward`).
 
 What makes the chunk-by-chunk form fast on a CPU, where the per-chunk tensors rather than the
 matmuls set the pace:
@@ -40,6 +40,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+#: Feature maps at most this many times the head dimension wide (elementwise maps, cosine, hedgehog's
+#: [xW, -xW], Taylor-0 and -1) run every chunk batched; their features for a whole call cost about what q
+#: does.
+WHOLE_CALL_FEATURES = 2
 
 
 class Scratch:
@@ -458,10 +463,13 @@ def chunked_kernel_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position, the state
     decayed by exp(`log_decay` `[B, Hkv, L]`) at each position before that position's key enters (None:
-    no decay). `kernel`: a `ChunkKernel` (`hand_written`) or any `FeatureKernel` of `ops.kernels`.
-    Memory is flat in L apart from O(L D) copies of the inputs and their gradients. A call shorter
-    than `chunk_size` runs as one chunk of its own length (no padding)."""
+    no decay). `kernel`: any `FeatureKernel` of `ops.kernels`. Features at most `WHOLE_CALL_FEATURES`
+    times the head dimension wide are computed for the whole call and every chunk batched
+    (`_ChunkedFeatureAttention`); wider ones (Taylor-2 and up, whose kernels are `hand_written`) chunk by
+    chunk. What a call
+    keeps for its backward pass is O(L D) either way. A call shorter than `chunk_size` runs as one chunk
+    of its own length (no padding)."""
     chunk_size = max(1, min(chunk_size, q.shape[-2]))
-    if kernel.hand_written:
+    if kernel.hand_written and state.shape[-2] > WHOLE_CALL_FEATURES * q.shape[-1]:
         return _ChunkedKernelAttention.apply(q, k, v, state, log_decay, kernel, chunk_size)
     return _ChunkedFeatureAttention.apply(q, k, v, state, log_decay, kernel, chunk_size, *kernel.learned)

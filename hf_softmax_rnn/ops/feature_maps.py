@@ -1,9 +1,8 @@
 """Feature-map kernels phi(q).phi(k) of the linear variants, and `build_kernel` for every spec.
 
-- `ElementwiseKernel` (identity, elu = elu+1, relu): rebuilds its features chunk by chunk in the
-  hand-written chunked engine (`ops.chunked`).
-- `CosineKernel` (L2-normalised q, k) and `HedgehogKernel` (learned per-head W, softmax over
-  [xW, -xW]): the engine computes their features for the whole call, with autograd through the map.
+- `ElementwiseKernel` (identity, elu = elu+1, relu), `CosineKernel` (L2-normalised q, k) and
+  `HedgehogKernel` (learned per-head W, softmax over [xW, -xW]): the chunked engine (`ops.chunked`)
+  computes their features for the whole call, with autograd through the map.
 - The Taylor kernel lives in `ops.taylor`, exact exp in `ops.kernels`.
 """
 
@@ -15,28 +14,25 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import DENOMINATOR_NORMALIZERS, AttentionSpec
-from hf_softmax_rnn.ops.chunked import Scratch
 from hf_softmax_rnn.ops.kernels import AttentionParams, ExpKernel, FeatureKernel
 from hf_softmax_rnn.ops.taylor import TaylorKernel
 
 ElementwiseFn = Callable[[torch.Tensor], torch.Tensor]
 
-#: name -> (phi, d phi / dx) of the elementwise maps.
-ELEMENTWISE_MAPS: dict[str, tuple[ElementwiseFn, ElementwiseFn]] = {
-    "identity": (lambda x: x.clone(), torch.ones_like),
-    "elu": (lambda x: F.elu(x) + 1.0, lambda x: torch.where(x > 0, 1.0, x.exp())),
-    "relu": (F.relu, lambda x: (x > 0).to(x.dtype)),
+#: name -> phi of the elementwise maps.
+ELEMENTWISE_MAPS: dict[str, ElementwiseFn] = {
+    "identity": lambda x: x.clone(),
+    "elu": lambda x: F.elu(x) + 1.0,
+    "relu": F.relu,
 }
 
 
 class ElementwiseKernel(FeatureKernel):
     """phi applied elementwise (identity, elu, relu); the scale multiplies phi(q)."""
 
-    hand_written = True
-
     def __init__(self, name: str, scale: float, clamp: float | None = None) -> None:
         super().__init__(scale, clamp)
-        self.function, self.derivative = ELEMENTWISE_MAPS[name]
+        self.function = ELEMENTWISE_MAPS[name]
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
         return self.function(q) * self.scale
@@ -46,23 +42,6 @@ class ElementwiseKernel(FeatureKernel):
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         return self.function(k)
-
-    # ------------------------------------------------------------------ the ops.chunked engine
-    def chunk_features(self, x: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        rows = scratch("rows", (x.shape[0], x.shape[2], x.shape[1]), x)
-        rows.copy_(x.mT)
-        phi = self.function(rows)
-        return phi.mul_(self.scale) if query else phi
-
-    def chunk_features_backward(self, grad: torch.Tensor, scratch: Scratch, query: bool) -> torch.Tensor:
-        grad_x = grad * self.derivative(scratch.get("rows"))
-        return (grad_x.mul_(self.scale) if query else grad_x).mT
-
-    def chunk_scores(self, q, k, phi_q, phi_k, scratch: Scratch) -> torch.Tensor:
-        return torch.bmm(phi_q.mT, phi_k, out=scratch("scores", (q.shape[0], q.shape[1], k.shape[1]), q))
-
-    def chunk_scores_backward(self, d_scores, q, k, phi_q, phi_k, scratch: Scratch):
-        return None, None, phi_k @ d_scores.mT, phi_q @ d_scores
 
 
 class CosineKernel(FeatureKernel):

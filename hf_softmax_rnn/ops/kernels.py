@@ -9,10 +9,10 @@ learned tensors; the parallel, chunked and recurrent paths then only call its me
   row max where the normaliser ignores a per-row factor).
 - `FeatureKernel` subclasses: `query_features` / `key_features` (recurrent path, and the
   features of a whole call for the chunked engine), `scores` (parallel form and the autograd
-  chunk loops). Kernels with `hand_written = True` also implement the `chunk_*` methods with which
-  the engine of `ops.chunked` rebuilds their features chunk by chunk; for the others it computes
-  the features of the whole call and sends their gradients back through the map with autograd, and
-  `learned` / `with_learned` hand it their tensors so that they receive gradients.
+  chunk loops). The engine of `ops.chunked` computes the features of a whole call and
+  sends their gradients back through the map with autograd (`learned` / `with_learned` hand it the
+  map's tensors so that they receive gradients); kernels with `hand_written = True` (Taylor) also
+  implement the `chunk_*` methods with which it rebuilds wide features chunk by chunk instead.
 
 Shapes: grouped queries `[B, Hkv, G, L, D]`, keys `[B, Hkv, L, D]`.
 """

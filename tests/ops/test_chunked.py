@@ -145,11 +145,11 @@ def test_a_feature_map_keeps_only_the_inputs_for_the_backward(decay):
     ids=["taylor", "elu", "cosine", "hedgehog"],
 )
 def test_kernel_choice(spec, expected):
-    """Maps that are not elementwise (cosine normalises rows, hedgehog has weights) are computed before the
-    engine runs; the others rebuild their features in it."""
+    """Only Taylor kernels can rebuild their features chunk by chunk inside the engine (`hand_written`; it
+    does for wide ones): the engine computes every other map's features for the whole call."""
     kernel = chunk_kernel(spec, 0.125)
     assert isinstance(kernel, expected)
-    assert kernel.hand_written == (expected in (TaylorKernel, ElementwiseKernel))
+    assert kernel.hand_written == (expected is TaylorKernel)
 
 
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
@@ -199,10 +199,11 @@ def test_float32_gradients_over_many_chunks(decay):
     assert relative(found[1][..., :256, :], reference[1][..., :256, :]) < 4e-7
 
 
+@pytest.mark.parametrize("name", ["taylor2", "elu"], ids=["chunk-by-chunk", "whole-call"])
 @pytest.mark.parametrize("length", [8, 6], ids=["whole-chunks", "padded"])
-def test_engine_takes_strided_inputs(length):
-    """q, k, v as transposed views (as the layers hand them over), with and without padding."""
-    spec = KERNEL_SPECS["taylor2"]
+def test_engine_takes_strided_inputs(name, length):
+    """q, k, v as transposed views (as the layers hand them over), with and without padding, in both forms."""
+    spec = KERNEL_SPECS[name]
     q, k, v, state = (x.detach() for x in _inputs(spec, length))
     strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
     assert not any(x.is_contiguous() for x in strided)
