@@ -4,11 +4,12 @@ or without a decaying state.
 The generic `ops.linear.generic_chunked_linear_attention` (autograd through a chunk loop) and
 `ops.decay.chunked_decayed_linear_attention` are its references. Two forms:
 
-- Features at most `WHOLE_CALL_FEATURES` times the head dimension wide (the elementwise maps,
-  cosine, hedgehog, Taylor-0 and -1) are computed for the whole call in one product, and every
-  chunk's products run in one batched product (`_feature_forward`, `_feature_backward`); only the
-  states, one addition a chunk, run in order. The backward rebuilds the features and the states, so
-  what a call keeps for its backward pass stays q, k and v; each pass holds O(L F) for its duration.
+- Maps that cannot rebuild their features chunk by chunk (the elementwise maps, cosine, hedgehog)
+  and Taylor kernels at most `WHOLE_CALL_FEATURES` times the head dimension wide (orders 0 and 1)
+  are computed for the whole call in one product, and every chunk's products run in one batched
+  product (`_feature_forward`, `_feature_backward`); only the states, one addition a chunk, run in
+  order. The backward rebuilds the features and the states, so what a call keeps for its backward
+  pass stays q, k and v; each pass holds O(L F) for its duration.
 - Wider features (Taylor-2 and up: 2,145 a head for D = 64, too wide to hold for a whole call) are
   rebuilt chunk by chunk in both passes by their kernel's `chunk_*` methods (`hand_written = True`;
   `_forward`, `_backward`).
@@ -41,9 +42,9 @@ from typing import Protocol
 
 import torch
 
-#: Feature maps at most this many times the head dimension wide (elementwise maps, cosine, hedgehog's
-#: [xW, -xW], Taylor-0 and -1) run every chunk batched; their features for a whole call cost about what q
-#: does.
+#: Taylor kernels at most this many times the head dimension wide (orders 0 and 1) run every chunk
+#: batched, as every other map does (their features for a whole call cost about what q does); wider
+#: ones rebuild their features chunk by chunk.
 WHOLE_CALL_FEATURES = 2
 
 
@@ -463,12 +464,11 @@ def chunked_kernel_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position, the state
     decayed by exp(`log_decay` `[B, Hkv, L]`) at each position before that position's key enters (None:
-    no decay). `kernel`: any `FeatureKernel` of `ops.kernels`. Features at most `WHOLE_CALL_FEATURES`
-    times the head dimension wide are computed for the whole call and every chunk batched
-    (`_ChunkedFeatureAttention`); wider ones (Taylor-2 and up, whose kernels are `hand_written`) chunk by
-    chunk. What a call
-    keeps for its backward pass is O(L D) either way. A call shorter than `chunk_size` runs as one chunk
-    of its own length (no padding)."""
+    no decay). `kernel`: any `FeatureKernel` of `ops.kernels`. Its features are computed for the whole
+    call and every chunk batched (`_ChunkedFeatureAttention`), unless its kernel can rebuild them chunk by
+    chunk (`hand_written`) and they are more than `WHOLE_CALL_FEATURES` times the head dimension wide
+    (Taylor-2 and up). What a call keeps for its backward pass is O(L D) either way. A call shorter than
+    `chunk_size` runs as one chunk of its own length (no padding)."""
     chunk_size = max(1, min(chunk_size, q.shape[-2]))
     if kernel.hand_written and state.shape[-2] > WHOLE_CALL_FEATURES * q.shape[-1]:
         return _ChunkedKernelAttention.apply(q, k, v, state, log_decay, kernel, chunk_size)
