@@ -10,7 +10,8 @@ state `[B, Hkv, F, Dv + 1]`.
 
 - `chunked_linear_attention`: quadratic inside chunks of C positions, state carried between
   chunks, in the hand-written engine of `ops.chunked` (every kernel, with or without decay), which
-  keeps no L x L matrix and no `[L, F]` features: memory is flat in L. Under torch.compile the
+  builds no L x L matrix and keeps no `[L, F]` features for the backward pass (a pass may hold them
+  while it runs, for maps at most 2D wide). Under torch.compile the
   chunk loop is traced as plain autograd instead (`generic_chunked_linear_attention`, and
   `ops.decay`'s loop with decay), and those loops are also the engine's references in tests.
 - On CUDA tensors with fla-core installed, `chunked_linear_attention` hands feature maps of at
