@@ -38,9 +38,12 @@ and T = G * C.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from hf_softmax_rnn.ops.kernels import FeatureKernel
 
 #: Taylor kernels at most this many times the head dimension wide (orders 0 and 1) run every chunk
 #: batched, as every other map does (their features for a whole call cost about what q does); wider
@@ -364,10 +367,12 @@ def _feature_backward(chunks: _Chunks, start: torch.Tensor, query_scale: float, 
     reads = torch.bmm(q.mT, d_read).view(n, bt, *states.shape[-2:])
     d_after = torch.empty_like(reads)  # dL/dS_c, the state after chunk c
     d_state = d_final_state.reshape(reads.shape[1:]).clone()
+    if decayed:
+        decays = total.exp().view(n, bt, 1, 1)  # e^{b_C} of each chunk
     for c in reversed(range(n)):
         d_after[c].copy_(d_state)
         if decayed:
-            d_state.mul_(total.view(n, bt)[c].exp()[:, None, None])
+            d_state.mul_(decays[c])
         d_state += reads[c]
     del reads  # (the full-size tensors of this pass are dropped as soon as they are used up)
     d_after = d_after.flatten(0, 1)
@@ -409,9 +414,9 @@ def _feature_backward(chunks: _Chunks, start: torch.Tensor, query_scale: float, 
 class _ChunkedFeatureAttention(torch.autograd.Function):
     """Any feature map: its features for the whole call in one product, then every chunk at once
     (`_feature_forward`); the backward rebuilds the features and sends their gradients through the map
-    (to q, k and the map's learned tensors) with autograd, so only q, k, v and the initial state are
-    kept. Each pass holds the call's features, their chunk-first copies and the states before each
-    chunk for a while: O(L F) memory that is freed when the pass ends."""
+    (to q, k and the map's learned tensors) with autograd, so only q, k, v, the log-decays, the initial
+    state and the map's tensors are kept. Each pass holds the call's features, their chunk-first copies
+    and the states before each chunk for a while: O(L F) memory that is freed when the pass ends."""
 
     @staticmethod
     def forward(ctx, q, k, v, state, log_decay, kernel, chunk_size, *learned):
@@ -458,7 +463,7 @@ def chunked_kernel_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     state: torch.Tensor,
-    kernel,
+    kernel: FeatureKernel,
     chunk_size: int,
     log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
