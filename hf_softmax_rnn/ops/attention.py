@@ -471,13 +471,21 @@ def attention(
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
 
-    if spec.kind == "softmax":
+    needs_state = mode != "parallel" and return_state
+    exact_hybrid = _every_key_exact(spec, length, state is None, needs_state)
+    if spec.kind == "softmax" or exact_hybrid:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
-        return softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale), None
+        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale)
+        if spec.output_gate and spec.output_gate_position == "after_norm":  # (before the softmax normaliser: inert)
+            out = out * gates["output"].unsqueeze(-1).to(out.dtype)
+        if exact_hybrid:
+            learned = [getattr(params, field.name) for field in dataclasses.fields(params)]
+            unused = [x for x in (*learned, log_decay) if isinstance(x, torch.Tensor)]
+            out = _ZeroGradients.apply(out, *unused)
+        return out, None
 
     compute_dtype = torch.float32 if input_dtype in _HALF_DTYPES else input_dtype
     kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
-    needs_state = mode != "parallel" and return_state
     fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
     input_qkv = (q, k, v)
     target = compute_dtype if fused is None else out_dtype  # a fused kernel reads io_dtype
@@ -563,6 +571,39 @@ def attention(
         None if log_shift is None else log_shift.reshape(batch, heads, length),
     )
     return out.to(out_dtype), new_state
+
+
+def _every_key_exact(spec: AttentionSpec, length: int, fresh_state: bool, needs_state: bool) -> bool:
+    """Whether a hybrid call is exact softmax attention: from an empty state, a call of at most
+    `spec.exact_positions` positions sends no key to the finite state (its window, sinks and kept
+    positions hold every key), so with the softmax normaliser its output is that of causal softmax over
+    the visible keys. Such a call (a training block, a scored text no longer than the exact part) runs
+    SDPA when no state is asked of it; its finite state's tensors (feature maps, decay) get no gradient,
+    as they change nothing."""
+    return (
+        spec.window is not None
+        and fresh_state
+        and not needs_state
+        and length <= spec.exact_positions
+        and spec.normalizer == "softmax"
+    )
+
+
+class _ZeroGradients(torch.autograd.Function):
+    """`out` unchanged, and zero gradients for the other tensors: what a hybrid's finite-state tensors
+    (feature maps, mixing weight, log-decays) get from a call that sends no key to its state, as they
+    would through the finite-state path. Every trained parameter then has a gradient, which data-parallel
+    training (DDP without `find_unused_parameters`) and the optimizers' weight decay expect."""
+
+    @staticmethod
+    def forward(ctx, out, *tensors):
+        ctx.like = [(x.shape, x.dtype, x.device) for x in tensors]
+        return out.view_as(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, *_):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like))
 
 
 def _finite_state(

@@ -11,6 +11,7 @@ from hf_softmax_rnn import (
     SoftmaxRNNGPT2LMHeadModel,
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
+    convert,
 )
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules
 from hf_softmax_rnn.models import SoftmaxRNNGPT2Model, SoftmaxRNNLlamaModel
@@ -313,3 +314,24 @@ def test_chunked_forward_with_sinks_and_decay_matches_parallel_and_gradients_rea
     grads = {key: p.grad for key, p in chunked.named_parameters() if ".rnn_params." in key}
     assert any(".decay_proj." in key for key in grads) == SINK_DECAY_SPECS[name].decay
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked"])
+def test_a_block_within_the_exact_part_is_the_stock_model_and_every_rnn_param_gets_a_gradient(family, mode):
+    """Window 4, a sink and 3 kept positions hold every key of 8 positions: the converted model computes the
+    stock model's logits (the unmodified transformers model), and the finite state's parameters (hedgehog
+    maps, mixing weight, decay projection) get zero gradients rather than none, as data-parallel training
+    expects. One position more and the finite state is read."""
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=3, decay=True)
+    source = tiny_source(family)
+    model = perturb_rnn_params(convert(source, spec, attention_mode=mode)).eval()
+    ids, mask = left_padded_batch(lengths=(8, 5))
+    visible = mask.bool()
+    torch.testing.assert_close(logits(model, ids, mask)[visible], logits(source, ids, mask)[visible], atol=1e-5, rtol=0)
+    model.train()(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if ".rnn_params." in name}
+    assert any(".decay_proj." in name for name in grads) and any(".hedgehog" in name for name in grads)
+    assert all(grad is not None and not grad.any() for grad in grads.values())
+    longer, longer_mask = left_padded_batch(lengths=(9, 5))
+    difference = logits(model.eval(), longer, longer_mask)[0, -1] - logits(source, longer, longer_mask)[0, -1]
+    assert difference.abs().max() > 1e-4

@@ -6,6 +6,8 @@ y_t = (sum_{s in E_t} e^{x_ts} v_s + e^{lambda_h} sum_{s<=t-W, s not in E_t} phi
 with E_t the window t-W < s <= t and the first S visible positions (the sinks).
 """
 
+import dataclasses
+import importlib
 import math
 
 import pytest
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops.softmax import softmax_attention_reference
 from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, mix_weight
 
 from .helpers import as_params, left_padding_mask, make_inputs, make_params, quiet_preset
@@ -262,3 +265,108 @@ def test_a_call_without_autograd_allocates_the_band_once():
     with torch.no_grad(), AllocatedBytes() as counter:
         attention(q, k, v, spec, mode="chunked", params=params, gates=gates)
     assert counter.bytes / 1024 < 200_000, counter.bytes / 1024
+
+
+#: Hybrids whose exact part holds `exact_positions` keys: window, sinks, kept positions, gates and decay.
+EXACT_PART_SPECS = {
+    "hedgehog_w4_sinks2_decay": AttentionSpec(kind="linear", feature_map="hedgehog", window=4, sinks=2, decay=True),
+    "elu_w3_kept3_gated": AttentionSpec(kind="linear", feature_map="elu", window=3, kept=3, output_gate=True),
+    "taylor2_w2_sinks1_kept3_decay": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, window=2, sinks=1, kept=3, decay=True, chunk_size=2
+    ),
+}
+
+
+def _exact_part_call(spec, mode, length, pads):
+    """(output, gradients of q, k, v, the learned tensors and the log-decays) of one call without a state."""
+    q, k, v, gate_logits = make_inputs(length=length, requires_grad=True)
+    needed = ["linear_log_scale", *(["hedgehog_q", "hedgehog_k"] if spec.feature_map == "hedgehog" else [])]
+    tensors = {key: x for key, x in make_params(spec, requires_grad=True).items() if key in needed}
+    decay_logits = gate_logits["decay"].detach().requires_grad_()
+    gates = {"output": torch.sigmoid(gate_logits["output"].detach())} if spec.output_gate else {}
+    if spec.decay:
+        gates["decay"] = F.logsigmoid(decay_logits)
+    mask = left_padding_mask(2, length, pads)
+    out, state = attention(
+        q, k, v, spec, mode=mode, attention_mask=mask, gates=gates, params=as_params(tensors), return_state=False
+    )
+    assert state is None
+    rows = mask[:, None, :, None]
+    leaves = [q, k, v, *tensors.values(), *([decay_logits] if spec.decay else [])]
+    grads = torch.autograd.grad((out * rows * torch.linspace(-1, 1, 8, dtype=out.dtype)).sum(), leaves)
+    return out * rows, grads, (q, k, v, mask, gates)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_PART_SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_a_call_within_the_exact_part_is_softmax_and_gives_the_state_zero_gradients(name, mode):
+    """From an empty state, no key of a call of at most window + sinks + kept positions reaches the finite state:
+    the output is causal softmax (float64 reference), and the feature maps, the mixing weight and the log-decays
+    get gradients of exactly zero (as the finite-state path gives them), not None."""
+    spec = EXACT_PART_SPECS[name]
+    out, grads, (q, k, v, mask, gates) = _exact_part_call(spec, mode, spec.exact_positions, pads=[0, 3])
+    want = softmax_attention_reference(q, k, v, mask.bool(), 8**-0.5)
+    if spec.output_gate:
+        want = want * gates["output"].unsqueeze(-1)
+    torch.testing.assert_close(out, want * mask[:, None, :, None], rtol=1e-9, atol=1e-10)
+    q_ref, k_ref, v_ref = (x.detach().requires_grad_() for x in (q, k, v))
+    reference = softmax_attention_reference(q_ref, k_ref, v_ref, mask.bool(), 8**-0.5)
+    if spec.output_gate:
+        reference = reference * gates["output"].unsqueeze(-1)
+    weights = mask[:, None, :, None] * torch.linspace(-1, 1, 8, dtype=torch.float64)
+    want_grads = torch.autograd.grad((reference * weights).sum(), [q_ref, k_ref, v_ref])
+    for got, expected in zip(grads[:3], want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+    assert all(grad is not None and not grad.any() for grad in grads[3:])
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_one_position_past_the_exact_part_reads_the_finite_state(mode):
+    """At window + sinks + 1 positions the oldest key that is not a sink enters the finite state: the output
+    is the hybrid's formula, not softmax, and the feature maps get a gradient."""
+    spec = dataclasses.replace(EXACT_PART_SPECS["hedgehog_w4_sinks2_decay"], decay=False)
+    out, grads, (q, k, v, mask, _) = _exact_part_call(spec, mode, spec.exact_positions + 1, pads=[0, 0])
+    params = as_params(make_params(spec))
+    want = naive_window_attention(q.detach(), k.detach(), v.detach(), spec, params, mask.bool(), 8**-0.5)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-10)
+    softmax = softmax_attention_reference(q.detach(), k.detach(), v.detach(), mask.bool(), 8**-0.5)
+    assert (out[..., -1, :] - softmax[..., -1, :]).abs().max() > 1e-3
+    assert all(grad.abs().sum() > 0 for grad in grads[3:])  # the mixing weight and both feature maps
+
+
+def test_only_a_call_that_fits_and_asks_for_no_state_skips_the_finite_state(monkeypatch):
+    """The hybrid's own path (window band, kept selection, finite state) runs for a call one position longer
+    than the exact part, for a call that returns its state (prefill) and for one that continues a state; a
+    call that fits, without a state, runs causal softmax alone."""
+    module = importlib.import_module("hf_softmax_rnn.ops.attention")
+    calls = []
+
+    def counting(name):
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return counted
+
+    for name in ("_finite_state", "parallel_scores"):
+        monkeypatch.setattr(module, name, counting(name))
+    spec = EXACT_PART_SPECS["elu_w3_kept3_gated"]
+    params = as_params(make_params(spec))
+    q, k, v, _ = make_inputs(length=spec.exact_positions + 1)
+    gate = torch.full((2, 4, spec.exact_positions + 1), 0.5, dtype=torch.float64)
+
+    def call(length, mode, **kwargs):
+        qkv = (q[..., :length, :], k[..., :length, :], v[..., :length, :])
+        return attention(*qkv, spec, mode=mode, gates={"output": gate[..., :length]}, params=params, **kwargs)
+
+    for mode in ("parallel", "chunked", "recurrent"):
+        call(spec.exact_positions, mode, return_state=False)
+    assert calls == []
+    call(spec.exact_positions + 1, "parallel")
+    call(spec.exact_positions + 1, "chunked", return_state=False)
+    _, state = call(spec.exact_positions, "chunked")
+    call(1, "recurrent", state=state, return_state=False)
+    assert calls == ["parallel_scores", "_finite_state", "_finite_state", "_finite_state"]
+    assert int(state.t[0]) == spec.exact_positions
