@@ -578,8 +578,8 @@ def _every_key_exact(spec: AttentionSpec, length: int, fresh_state: bool, needs_
     `spec.exact_positions` positions sends no key to the finite state (its window, sinks and kept
     positions hold every key), so with the softmax normaliser its output is that of causal softmax over
     the visible keys. Such a call (a training block, a scored text no longer than the exact part) runs
-    SDPA when no state is asked of it; its finite state's tensors (feature maps, decay) get no gradient,
-    as they change nothing."""
+    SDPA when no state is asked of it; its finite state's tensors (feature maps, mixing weight,
+    log-decays) get zero gradients (`_ZeroGradients`), as they change nothing."""
     return (
         spec.window is not None
         and fresh_state
