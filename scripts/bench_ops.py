@@ -21,8 +21,9 @@ and writes a PNG.
 The row "no state (FlexAttention)" is the window hybrid as training runs it: its window part in
 FlexAttention (`ops.flex_window`), the rest in fla; "chunked" hands a state on and keeps the
 PyTorch window part.
-The two "finetune default" rows are `finetune`'s attention with a decaying state, as its layers
-run (256 kept positions) and as its retrieval layers run (2,048).
+The "finetune default" rows are `finetune`'s attention with a decaying state, as its layers run
+(256 kept positions) and as its retrieval layers run (2,048), handing a state on (a prefill); the
+last, a retrieval layer training without a state, is causal softmax up to its 2,308 exact positions.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ CASES = [
     Case("Taylor-2, no state (Triton)", "softmax_taylor_2", "chunked", 16384, return_state=False, cuda_only=True),
     Case("finetune default (256 kept), chunked", DEFAULT_ATTENTION, "chunked", 8192),
     Case("finetune default, retrieval layer (2,048 kept), chunked", DEFAULT_ATTENTION, "chunked", 8192, kept=2048),
+    Case(
+        "finetune default, retrieval layer (2,048 kept), no state (training)",
+        DEFAULT_ATTENTION,
+        "chunked",
+        8192,
+        return_state=False,
+        kept=2048,
+    ),
 ]
 ROW_PRESETS = {case.preset for case in CASES}
 

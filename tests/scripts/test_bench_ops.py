@@ -34,12 +34,16 @@ def test_rows_of_the_chosen_presets_at_the_chosen_batch(tmp_path, monkeypatch, c
 
 
 def test_rows_of_the_finetune_default_and_its_retrieval_layers(tmp_path, monkeypatch, capsys):
-    """Past the 256-position window, so that keys are kept; both rows run without an error."""
+    """Past the 256-position window, so that keys are kept; the three rows run without an error."""
     output = tmp_path / "ops"
     _run(monkeypatch, "--lengths", "320", "--repeats", "1", "--presets", "hedgehog_window_256_sinks_4_kept_256_decay",
          "--output", str(output))  # fmt: skip
     rows = [line.split(" | ")[0].lstrip("| ") for line in output.with_suffix(".md").read_text().splitlines()]
-    expected = ["finetune default (256 kept), chunked", "finetune default, retrieval layer (2,048 kept), chunked"]
+    expected = [
+        "finetune default (256 kept), chunked",
+        "finetune default, retrieval layer (2,048 kept), chunked",
+        "finetune default, retrieval layer (2,048 kept), no state (training)",
+    ]
     assert [row for row in rows if row in expected] == expected * 2
     assert "error" not in capsys.readouterr().out
 
