@@ -478,10 +478,10 @@ def attention(
         out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale)
         if spec.output_gate and spec.output_gate_position == "after_norm":  # (before the softmax normaliser: inert)
             out = out * gates["output"].unsqueeze(-1).to(out.dtype)
-        if exact_hybrid:
+        if exact_hybrid and torch.is_grad_enabled():
             learned = [getattr(params, field.name) for field in dataclasses.fields(params)]
-            unused = [x for x in (*learned, log_decay) if isinstance(x, torch.Tensor)]
-            out = _ZeroGradients.apply(out, *unused)
+            unused = [x for x in (*learned, log_decay) if isinstance(x, torch.Tensor) and x.requires_grad]
+            out = _ZeroGradients.apply(out, *unused) if unused else out
         return out, None
 
     compute_dtype = torch.float32 if input_dtype in _HALF_DTYPES else input_dtype
