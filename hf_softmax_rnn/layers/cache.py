@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
-from hf_softmax_rnn.ops.attention import RecurrentState
+from hf_softmax_rnn.ops.recurrent_state import RecurrentState
 
 #: The `config.layer_types` entry of a layer decoded from a recurrent state.
 RECURRENT_LAYER_TYPE = "softmax_rnn_recurrent"

@@ -25,7 +25,7 @@ from transformers.utils.import_utils import is_torchdynamo_compiling
 from hf_softmax_rnn.hub import RemoteCodeMixin
 from hf_softmax_rnn.layers.attention import RNNParams
 from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
-from hf_softmax_rnn.ops.attention import check_padding_mask
+from hf_softmax_rnn.ops.checks import check_padding_mask
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ Shapes: grouped q `[B, Hkv, G, 1, D]`, k `[B, Hkv, 1, D]`, augmented v `[B, Hkv,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,11 +31,9 @@ from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kept import exchange_slots, kept_step, write_slots
 from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero, row_shift
 from hf_softmax_rnn.ops.linear import recurrent_linear_attention
+from hf_softmax_rnn.ops.recurrent_state import RecurrentState
 from hf_softmax_rnn.ops.sinks import visible_ranks
 from hf_softmax_rnn.ops.window import mix_weight
-
-if TYPE_CHECKING:
-    from hf_softmax_rnn.ops.attention import RecurrentState
 
 
 def window_hybrid_step(
