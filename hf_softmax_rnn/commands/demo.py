@@ -3,7 +3,8 @@
 For each preset the pretrained model is converted (`hf_softmax_rnn.convert`, same weights, no
 training) and measured: held-out perplexity, decoding speed and cache size after a prompt of
 each context length, and one greedy answer to a chat prompt. Conversions other than
-"softmax" are untrained, so their perplexity is poor until fine-tuned (`hf-softmax-rnn finetune`).
+"softmax" are untrained: `finetune`'s default hybrid (the second row) is already close to the original,
+the paper's variants are poor until fine-tuned (`hf-softmax-rnn finetune`).
 `--trained DIR ...` adds rows for models saved by `finetune` (or any causal LM folder with the
 same vocabulary), measured the same way on the same text and prompts.
 """
@@ -32,11 +33,13 @@ from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.layers.cache import cache_nbytes
+from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PRESETS = (
     "softmax",
+    DEFAULT_ATTENTION,
     "hedgehog_window_64",
     "gated_softmax_no_gate_L2norm_nodivS_noclamp",
     "softmax_taylor_2",
@@ -48,11 +51,11 @@ SAMPLE_CHARS = 120
 _BYTE_UNITS = ("B", "KB", "MB", "GB")
 FINETUNE_HINT = (
     "Of the presets only 'softmax' is the pretrained model unchanged; the others are converted with no training. "
-    "`hf-softmax-rnn finetune` trains them; its default, hedgehog_window_256_sinks_4_kept_256_decay (exact softmax "
-    "over the first 4, the last 256 and 256 kept older positions, 2,048 in 6 retrieval layers, a decaying learned "
-    "feature map beyond), came back to 1.00x the original perplexity on 1,024-token windows of SmolLM2-135M with its "
-    "default 20 distillation steps of 2,048 tokens and 10 of its state alone on 4,096 (14 min on 2 CPU cores; "
-    "docs/finetuning.md)."
+    f"`hf-softmax-rnn finetune` trains them; its default, {DEFAULT_ATTENTION} (the second row, untrained: exact softmax over the first 4, the "
+    "last 256 and 256 kept older positions, a decaying learned feature map beyond; finetune gives 2,048 kept "
+    "positions to 6 retrieval layers), came back to 1.00x the original perplexity on 1,024-token windows of "
+    "SmolLM2-135M with its default 20 distillation steps of 2,048 tokens and 10 of its state alone on 4,096 (14 min "
+    "on 2 CPU cores; docs/finetuning.md)."
 )
 
 

@@ -241,7 +241,7 @@ def attention(
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)
-        visible = state.t[:, None, None] + key_mask.long().cumsum(-1)[:, None, :]
+        visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
         new_state.t = visible[:, 0, -1]
         new_state.made_by = tag
         if not return_state:
@@ -396,7 +396,7 @@ def _finite_state(
         old_sinks = (state.sink_keys.to(q.dtype), state.sink_values.to(q.dtype))
         sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
         new_state.sink_keys, new_state.sink_values = sinks
-        seen = state.t[:, None] + key_mask.long().cumsum(-1)
+        seen = state.t[:, None] + key_mask.cumsum(-1)
         exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
 

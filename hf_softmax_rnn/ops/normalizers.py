@@ -1,7 +1,7 @@
 """Normalisers: how the numerator N_t = sum_s a_ts v_s becomes the output (see docs/design.md).
 
 All functions work per query head over the value dimension:
-numerator `[B, H, L, Dv]`, denominator G_t `[B, H, L]`, visible count t `[B, 1, L]`.
+numerator `[B, H, L, Dv]`, denominator G_t `[B, H, L]`, visible count t `[B, 1, L]` (long).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ DETACH_EPS = 1e-4
 
 def _safe(denominator: torch.Tensor) -> torch.Tensor:
     """Rows that see no position (left padding) have G = 0 and N = 0: divide by 1 there."""
-    return torch.where(denominator == 0, 1.0, denominator)
+    return denominator.masked_fill(denominator == 0, 1.0)
 
 
 def _over(n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -49,8 +49,9 @@ def _layer(n: torch.Tensor, eps: float, params: AttentionParams) -> torch.Tensor
     return out
 
 
-def _per_position(t: torch.Tensor) -> torch.Tensor:
-    return t.clamp_min(1).unsqueeze(-1)
+def _per_position(t: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """max(t, 1) `[B, 1, L, 1]` in n's dtype, from the visible counts `[B, 1, L]` (long)."""
+    return t.clamp_min(1).unsqueeze(-1).to(n.dtype)
 
 
 def _at_least_one(g: torch.Tensor, unit: torch.Tensor | None) -> torch.Tensor:
@@ -71,11 +72,11 @@ _NORMALIZERS: dict[str, NormalizerFn] = {
     "l2": lambda n, g, t, eps, p, u: _l2(n, eps),
     "rms": lambda n, g, t, eps, p, u: _rms(n, eps, p),
     "layer": lambda n, g, t, eps, p, u: _layer(n, eps, p),
-    "seqlen": lambda n, g, t, eps, p, u: n / _per_position(t),
-    "seqlen_rms": lambda n, g, t, eps, p, u: _rms(n / _per_position(t), eps, p),
-    "seqlen_layer": lambda n, g, t, eps, p, u: _layer(n / _per_position(t), eps, p),
+    "seqlen": lambda n, g, t, eps, p, u: n / _per_position(t, n),
+    "seqlen_rms": lambda n, g, t, eps, p, u: _rms(n / _per_position(t, n), eps, p),
+    "seqlen_layer": lambda n, g, t, eps, p, u: _layer(n / _per_position(t, n), eps, p),
     "seqlen_pow": lambda n, g, t, eps, p, u: (
-        n / _per_position(t).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None])
+        n / _per_position(t, n).pow(torch.sigmoid(p.seqlen_power).to(n.dtype)[:, None, None])
     ),
     "clamp": lambda n, g, t, eps, p, u: _over(n, _at_least_one(g, u)),
     "detach": lambda n, g, t, eps, p, u: _over(n, _at_least_one(g.detach(), u)),
@@ -104,7 +105,7 @@ def normalize(
         gate = output_gate.unsqueeze(-1).to(numerator.dtype)
         numerator, denominator = numerator * gate, denominator * output_gate.to(denominator.dtype)
     normalizer = _NORMALIZERS[spec.normalizer]
-    out = normalizer(numerator, denominator, visible.to(numerator.dtype), spec.norm_eps, params, unit)
+    out = normalizer(numerator, denominator, visible, spec.norm_eps, params, unit)
     if output_gate is not None and spec.output_gate_position == "after_norm":
         out = out * output_gate.unsqueeze(-1).to(out.dtype)
     return out

@@ -28,7 +28,7 @@ def visible_mask(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
 
 def visible_counts(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
     """t: the number of visible positions up to each query `[B, 1, Lq]` (the order-0 term of G)."""
-    return key_mask.long().cumsum(-1)[:, None, -query_len:]
+    return key_mask.cumsum(-1)[:, None, -query_len:]
 
 
 def parallel_scores(

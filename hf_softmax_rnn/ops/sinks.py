@@ -26,7 +26,7 @@ from hf_softmax_rnn.ops.window import masked_exp_part, merge_exact
 
 def sink_mask(key_mask: torch.Tensor, sinks: int) -> torch.Tensor:
     """`[B, Lk]` bool: the key is one of the first `sinks` visible keys (keys from the sequence start)."""
-    return key_mask & (key_mask.long().cumsum(-1) <= sinks)
+    return key_mask & (key_mask.cumsum(-1) <= sinks)
 
 
 def visible_ranks(valid: torch.Tensor, seen: torch.Tensor, buffered: int) -> torch.Tensor:
@@ -39,8 +39,8 @@ def visible_ranks(valid: torch.Tensor, seen: torch.Tensor, buffered: int) -> tor
         seen: `[B]` visible positions before the call (the state's t); buffered: W, the length of the
             buffer part of `valid`.
     """
-    in_buffer = valid[:, :buffered].long().sum(-1, keepdim=True)
-    return seen[:, None] - in_buffer + valid.long().cumsum(-1) - 1
+    in_buffer = valid[:, :buffered].sum(-1, keepdim=True)  # (sums and cumsums of bools are long)
+    return seen[:, None] - in_buffer + valid.cumsum(-1) - 1
 
 
 def filled_sinks(

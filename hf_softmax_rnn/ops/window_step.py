@@ -80,13 +80,13 @@ def window_hybrid_step(
     if spec.sinks is not None:
         is_sink = valid & (ranks < spec.sinks)
         candidate = valid & ~is_sink
-        leaving_value = leaving_value * (~is_sink[:, None, :1, None]).to(dtype)  # a sink never enters
+        leaving_value = leaving_value.masked_fill(is_sink[:, None, :1, None], 0.0)  # a sink never enters
         slots = torch.arange(spec.sinks, device=q.device)
         # `ops.sinks.filled_sinks` for one position (one slot written at most), in fewer operations
         written = ((ranks[:, -1:] == slots) & is_sink[:, -1:])[:, None, :, None]  # [B, 1, S, 1]
         fields["sink_keys"] = torch.where(written, k, state.sink_keys.to(dtype))
         fields["sink_values"] = torch.where(written, augmented_v, state.sink_values.to(dtype))
-        seen = state.t[:, None] + key_mask.long().cumsum(-1)
+        seen = state.t[:, None] + key_mask  # [B, 1] long: visible positions up to the new one
         sinks = [(fields["sink_keys"], fields["sink_values"], (slots < seen)[:, None].expand(-1, kv_heads, -1))]
         # slot j holds position (j - slot - 1) % W of the window after the step, `valid[:, 1:]`
         visible = candidate[:, 1:].gather(1, (offsets - following) % window)
@@ -112,29 +112,32 @@ def window_hybrid_step(
         exact.append((buffers[0], buffers[1], buffers[4]))
 
     keys, values, visible = zip(*exact)
-    scores = [scale * grouped_matmul(q, part.mT) for part in keys]  # (no copy of the keys: they are large)
+    scaled_q = q * scale
+    scores = [grouped_matmul(scaled_q, part.mT) for part in keys]  # (no copy of the keys: they are large)
     visible = torch.cat(visible, dim=-1) if len(visible) > 1 else visible[0]
     x = (torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]).masked_fill(
         ~visible[:, :, None, None], -torch.inf
     )
     row_max = row_shift(x)  # [B, Hkv, G, 1, 1]
     weights = torch.exp(x - row_max).split([part.shape[2] for part in keys], dim=-1)
-    numerator = sum(grouped_matmul(part_weights, part) for part_weights, part in zip(weights, values))
+    numerator = grouped_matmul(weights[0], values[0])
+    for part_weights, part in zip(weights[1:], values[1:]):
+        numerator = numerator + grouped_matmul(part_weights, part)
     if spec.kept is not None:
         fields["left_score"] = leaving_saliency[..., 0]
         entered = write_slots(window_scores, 2, score_rows, 0.0, in_place)  # the new key has no saliency yet
-        fields["window_scores"] = torch.maximum(entered, _saliency(x[..., :window].detach(), key_mask, dtype))
+        fields["window_scores"] = torch.maximum(entered, _saliency(x[..., :window].detach(), key_mask))
     linear, fields["packed"] = recurrent_linear_attention(
         q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay
     )
     return numerator + linear * mix_weight(linear_log_scale, row_max, kv_heads), dataclasses.replace(state, **fields)
 
 
-def _saliency(window_scores: torch.Tensor, query_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _saliency(window_scores: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
     """`[B, Hkv, W]` the largest window-softmax weight of each window key over the query heads, from the
     masked scores `[B, Hkv, G, 1, W]` (0 for a padding query), as `ops.window` computes it for a block."""
     probabilities = finite_or_zero(torch.softmax(window_scores, dim=-1))  # (a row with nothing visible: NaN -> 0)
-    return probabilities.amax(dim=(2, 3)) * query_valid.to(dtype)[:, :, None]
+    return probabilities.amax(dim=(2, 3)) * query_valid[:, :, None]  # (0 where the bool is False)
 
 
 def ring_start(state: RecurrentState) -> torch.Tensor:
