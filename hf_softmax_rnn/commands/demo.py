@@ -51,11 +51,11 @@ SAMPLE_CHARS = 120
 _BYTE_UNITS = ("B", "KB", "MB", "GB")
 FINETUNE_HINT = (
     "Of the presets only 'softmax' is the pretrained model unchanged; the others are converted with no training. "
-    f"`hf-softmax-rnn finetune` trains them; its default, {DEFAULT_ATTENTION} (the second row, untrained: exact softmax over the first 4, the "
-    "last 256 and 256 kept older positions, a decaying learned feature map beyond; finetune gives 2,048 kept "
-    "positions to 6 retrieval layers), came back to 1.00x the original perplexity on 1,024-token windows of "
-    "SmolLM2-135M with its default 20 distillation steps of 2,048 tokens and 10 of its state alone on 4,096 (14 min "
-    "on 2 CPU cores; docs/finetuning.md)."
+    f"`hf-softmax-rnn finetune` trains them; its default, {DEFAULT_ATTENTION} (the second row, untrained: exact "
+    "softmax over the first 4, the last 256 and 256 kept older positions, a decaying learned feature map beyond; "
+    "finetune gives 2,048 kept positions to 6 retrieval layers), came back to 1.00x the original perplexity on "
+    "1,024-token windows of SmolLM2-135M with its default 20 distillation steps of 2,048 tokens and 10 of its state "
+    "alone on 4,096 (14 min on 2 CPU cores; docs/finetuning.md)."
 )
 
 
