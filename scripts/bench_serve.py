@@ -11,13 +11,17 @@ then is bisected between the last batch that fitted and the first that did not, 
 reported at the largest batch found. Peak memory is the allocator's peak above the weights during
 the timed steps (the cache of B sequences and the step's activations; CUDA only).
 
-Eager decoding launches every kernel of a step from Python, so at small and middling batches it is
-bound by launches, not by the GPU. `--cuda-graph` decodes each batch from a `StaticCache` (the
-prefilled cache copied B times, `hf_softmax_rnn.decoding.static_cache_from`) through one CUDA graph
-per step (`GraphedDecodeStep`): the first untimed step runs eagerly, the second records the graph.
+A `DynamicCache` is what `generate()` builds by default: its KV layers grow by concatenation, so each
+step of the KV model copies its whole cache. `--static-cache` decodes each batch eagerly from a
+`StaticCache` instead (the prefilled cache copied B times, `hf_softmax_rnn.decoding.static_cache_from`),
+whose KV layers are written in place. Eager decoding launches every kernel of a step from Python, so on
+a GPU at small and middling batches it is bound by launches, not by the GPU. `--cuda-graph` decodes each
+batch from such a `StaticCache` through one CUDA graph per step (`GraphedDecodeStep`): the first untimed
+step runs eagerly, the second records the graph.
 
     python scripts/bench_serve.py --device cuda --dtype bfloat16 --output gpu_results/bench_serve
     python scripts/bench_serve.py --device cuda --dtype bfloat16 --cuda-graph --output gpu_results/bench_serve_graph
+    python scripts/bench_serve.py --contexts 2048 8192 --max-batch 32 --static-cache --output /tmp/bench_serve
     python scripts/bench_serve.py --layers 2 --contexts 64 128 --max-batch 8 --output /tmp/bench_serve
 
 Target: at 8,192 tokens of context, each recurrent model >= 3x the KV model's tokens/s.
@@ -71,10 +75,11 @@ class Measurement:
 
 class Server:
     """One model and the cache of one prefilled sequence, decoded as a batch of copies: eagerly from a
-    `DynamicCache`, or from a `StaticCache` through CUDA graphs (`graphed`)."""
+    `DynamicCache`, eagerly from a `StaticCache` (`static`), or from a `StaticCache` through CUDA graphs
+    (`graphed`)."""
 
-    def __init__(self, name: str, model, graphed: bool = False) -> None:
-        self.name, self.model, self.graphed = name, model, graphed
+    def __init__(self, name: str, model, graphed: bool = False, static: bool = False) -> None:
+        self.name, self.model, self.graphed, self.static = name, model, graphed, static or graphed
         self.cache: DynamicCache | None = None
         self.next_token: torch.Tensor | None = None
 
@@ -115,12 +120,14 @@ class Server:
     def _batch(self, batch: int, new_tokens: int) -> tuple[Cache, Callable[[torch.Tensor], torch.Tensor]]:
         """The cache of `batch` copies of the prefilled sequence, with room for `new_tokens` more, and the
         decode step over it (token ids `[B, 1]` -> logits `[B, 1, V]`)."""
-        if self.graphed:
+        if self.static:
             context = self.cache.get_seq_length()
             cache = static_cache_from(self.cache, self.model.config, context + new_tokens + 1, repeats=batch)
-            return cache, GraphedDecodeStep(self.model, cache)
-        cache = copy.deepcopy(self.cache)
-        cache.batch_repeat_interleave(batch)
+            if self.graphed:
+                return cache, GraphedDecodeStep(self.model, cache)
+        else:
+            cache = copy.deepcopy(self.cache)
+            cache.batch_repeat_interleave(batch)
         return cache, lambda tokens: self.model(input_ids=tokens, cache=cache, use_cache=True).logits
 
 
@@ -252,6 +259,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     parser.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="decode eagerly from a StaticCache (written in place) instead of a DynamicCache (grown by concatenation)",
+    )
+    parser.add_argument(
         "--cuda-graph",
         action="store_true",
         help="decode from a StaticCache through one CUDA graph per step (needs --device cuda and --warmup >= 2)",
@@ -291,9 +303,15 @@ def main(argv: list[str] | None = None) -> None:
     base_model = AutoModelForCausalLM.from_config(config)
     models = [(name, convert(base_model, name)) for name in args.presets]
     models.insert(0, (BASELINE, base_model))
-    servers = [Server(name, model.eval().to(device=device, dtype=dtype), args.cuda_graph) for name, model in models]
+    servers = [
+        Server(name, model.eval().to(device=device, dtype=dtype), args.cuda_graph, args.static_cache)
+        for name, model in models
+    ]
     hardware = hardware_name(device)
-    decoding = "CUDA graphs over a static cache" if args.cuda_graph else "eager"
+    if args.cuda_graph:
+        decoding = "CUDA graphs over a static cache"
+    else:
+        decoding = "eager over a static cache" if args.static_cache else "eager over a dynamic cache"
     title = (
         f"{args.model.name}, {config.num_hidden_layers} layers, random weights: batched greedy decoding, {decoding}, "
         f"{args.dtype}, {hardware}; largest batch <= {args.max_batch} that fits, {args.steps} timed steps"

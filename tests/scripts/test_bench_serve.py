@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+
+from hf_softmax_rnn import convert
 
 from .helpers import load_script, tiny_config_dir
 
@@ -74,6 +76,38 @@ def test_cuda_graph_mode_decodes_each_batch_from_a_static_copy_of_the_prefilled_
     tokens = torch.tensor([[3], [5]])
     with torch.no_grad():
         torch.testing.assert_close(graphed(tokens), eager(tokens))
+
+
+@pytest.mark.parametrize("name", ["transformers", "hedgehog_window_64"])
+def test_static_cache_mode_decodes_eagerly_from_a_static_copy_of_the_prefilled_cache(tmp_path, monkeypatch, name):
+    """`--static-cache`: every batch is decoded eagerly from a `StaticCache` of that many copies of the
+    prefilled sequence (a KV model's layers written in place, not grown), and the logits are those of the
+    dynamic cache's eager steps, for the KV model and a converted one."""
+    module = _load_script(monkeypatch)
+    output = tmp_path / "bench"
+    config_dir = _config_dir(tmp_path)
+    argv = ["--model", str(config_dir), "--presets", "hedgehog_window_64", "--contexts", "8", "--static-cache"]
+    argv += ["--max-batch", "2", "--steps", "1", "--warmup", "1", "--output", str(output)]
+    module.main(argv)
+    result = json.loads((output / "bench_serve.json").read_text())
+    assert "eager over a static cache" in result["title"]
+    served = {(m["model"], m["batch"]) for m in result["measurements"]}
+    assert served == {("transformers", 2), ("hedgehog_window_64", 2)}
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).eval()
+    model = model if name == "transformers" else convert(model, name).eval()
+    static, dynamic = module.Server(name, model, static=True), module.Server(name, model)
+    caches, steps = [], []
+    for server in (static, dynamic):
+        server.prefill(torch.arange(1, 9), chunk=16)
+        cache, step = server._batch(2, 3)
+        caches.append(cache)
+        steps.append(step)
+    assert isinstance(caches[0], StaticCache) and not isinstance(caches[1], StaticCache)
+    with torch.no_grad():
+        for tokens in (torch.tensor([[3], [5]]), torch.tensor([[7], [2]])):
+            torch.testing.assert_close(steps[0](tokens), steps[1](tokens))
 
 
 @pytest.mark.parametrize(
