@@ -5,7 +5,7 @@ sinks (`ops.sinks`) and the kept keys (`ops.kept`), each with its own row max, m
 joint one. A decoding step has one query, which sees at most W + S + K exact keys: the last W
 positions (the leaving key out, the new one in), the sink slots filled so far and the kept slots in
 use. `window_hybrid_step` scores them with one masked exp under one row max: fewer tensor operations
-than the block forms (about 250 against about 380 for the finetune default's spec; on a CPU, and on a GPU
+than the block forms (about 220 against about 560 for the finetune default's spec; on a CPU, and on a GPU
 without CUDA graphs, a decoding step costs about one dispatch per operation), and the kept keys are
 read in place, never copied. Its outputs and state are those of the block forms (tested against
 them in float64).
