@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
@@ -47,6 +47,17 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
     )
 
 
+def check_convertible(config: PreTrainedConfig) -> None:
+    """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
+    naming its `model_type` and the types `convert` takes."""
+    model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
+    if config.model_type not in model_types:
+        raise TypeError(
+            f"convert() takes a model of type {sorted(model_types)} ({', '.join(model_types.values())}); got "
+            f"model_type {config.model_type!r} ({', '.join(config.architectures or []) or 'no architectures'})"
+        )
+
+
 def converted_class(model: PreTrainedModel) -> type[PreTrainedModel]:
     """The softmax_rnn class that `convert` makes of `model` (TypeError for a model it does not convert)."""
     return _family(model)[1]
@@ -74,7 +85,7 @@ def _layer_overrides(
     layers: Iterable[int] | None, specs: Mapping[int, AttentionSpec | dict | str] | None, num_layers: int
 ) -> dict[str, AttentionSpec | dict | str] | None:
     """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names."""
-    converted = list(range(num_layers)) if layers is None else _converted_layers(layers, num_layers)
+    converted = list(range(num_layers)) if layers is None else converted_layers(layers, num_layers)
     unconverted = {str(i): "softmax" for i in range(num_layers) if i not in converted}
     specs = dict(specs or {})
     outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in converted]
@@ -87,7 +98,7 @@ def _layer_overrides(
     return overrides or None
 
 
-def _converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
+def converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
     """`layers` checked: a non-empty list of distinct indices in 0..num_layers - 1."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise TypeError(

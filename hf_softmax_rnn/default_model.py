@@ -23,7 +23,15 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hub_constants
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
@@ -192,18 +200,33 @@ def resolve_model(
     name = str(name_or_path)
     if name == DEFAULT_MODEL_ALIAS:
         return default_model(dtype), default_tokenizer()
-    path = Path(name).expanduser()
-    if path.is_dir():
-        _refuse_adapter(name, path)
-        source = str(path)
-    elif path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
-        raise FileNotFoundError(
-            f"Model {name!r} is not a directory; expected {DEFAULT_MODEL_ALIAS!r} (the embedded {DEFAULT_MODEL_NAME}), "
-            "a local model directory, or a Hub id such as 'HuggingFaceTB/SmolLM2-135M'"
-        )
-    else:
-        source = name
+    source = _model_source(name)
     logger.info("Loading model and tokenizer from %s", source)
     model = _load_part(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
     tokenizer = _load_part(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source))
     return model, tokenizer
+
+
+def resolve_config(name_or_path: str | os.PathLike) -> PreTrainedConfig:
+    """The config of the model `resolve_model` loads from the same name, read without the weights (a
+    local config.json, or config.json alone from the Hub), refused as `resolve_model` refuses it: so that
+    settings that contradict the model's shape stop before its weights load."""
+    name = str(name_or_path)
+    source = str(ensure_default_model_cache()) if name == DEFAULT_MODEL_ALIAS else _model_source(name)
+    return _load_part(name, "config", lambda: AutoConfig.from_pretrained(source))
+
+
+def _model_source(name: str) -> str:
+    """What `from_pretrained` reads for a name other than "default": a local directory (a PEFT adapter
+    folder refused) or a Hub id. A name that looks like a path (absolute, starting with "." or "~", with
+    more than one "/", or an existing file) but is no directory raises `FileNotFoundError`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        _refuse_adapter(name, path)
+        return str(path)
+    if path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists():
+        raise FileNotFoundError(
+            f"Model {name!r} is not a directory; expected {DEFAULT_MODEL_ALIAS!r} (the embedded {DEFAULT_MODEL_NAME}), "
+            "a local model directory, or a Hub id such as 'HuggingFaceTB/SmolLM2-135M'"
+        )
+    return name

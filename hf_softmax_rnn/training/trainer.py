@@ -25,14 +25,14 @@ from accelerate.utils import set_seed
 from datasets import DatasetDict
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from hf_softmax_rnn.analysis.bench_report import hardware_name
 from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.convert import convert, converted_class
+from hf_softmax_rnn.convert import check_convertible, convert, converted_class, converted_layers
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
-from hf_softmax_rnn.default_model import resolve_model
+from hf_softmax_rnn.default_model import resolve_config, resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules, student_outputs
@@ -178,7 +178,7 @@ class Finetuner:
                 raise UserInputError(
                     f"--resume from {self.resume_from} with different settings: {'; '.join(conflicts)}"
                 )
-
+        self._check_model_config(resolve_config(config.teacher or config.model))
         corpora = {
             name: load_corpus(
                 name,
@@ -194,7 +194,7 @@ class Finetuner:
         self.base_model, self.tokenizer = resolve_model(config.teacher or config.model)
         if config.extend_context is not None:
             extend_context(self.base_model, config.extend_context)
-        self._check_block_size(self.base_model)
+            self._check_block_size(self.base_model.config)
         if GENERATED_CORPUS in config.dataset_sources:
             corpora[GENERATED_CORPUS] = self._generated_corpus()
         texts = join_corpora([corpora[name] for name in config.dataset_sources])
@@ -316,11 +316,26 @@ class Finetuner:
             module.set_attention_mode(self.config.attention_mode)
         return model
 
-    def _check_block_size(self, model: PreTrainedModel) -> None:
+    def _check_model_config(self, model_config: PreTrainedConfig) -> None:
+        """Settings that contradict the model's config stop here, before its weights and the data load: a
+        model type `convert` does not take, layers or a retrieval-layer count beyond its layers, and blocks
+        longer than its positions (after `--extend-context`, which needs the weights, that check waits for
+        them)."""
+        config, num_layers = self.config, model_config.num_hidden_layers
+        with user_input_checks(ValueError, TypeError):
+            check_convertible(model_config)
+            if config.layers is not None:
+                converted_layers(config.layers, num_layers)
+        if not config.retrieval_layers_from_recipe:
+            check_retrieval_count(config.retrieval_layers, num_layers)
+        if config.extend_context is None:
+            self._check_block_size(model_config)
+
+    def _check_block_size(self, model_config: PreTrainedConfig) -> None:
         """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them
         (the state stage's only where it trains)."""
         config = self.config
-        maximum = getattr(model.config, "max_position_embeddings", None)
+        maximum = getattr(model_config, "max_position_embeddings", None)
         names = ("block_size", "eval_block_size") + (("state_block_size",) if config.state_steps else ())
         for name in names:
             value = getattr(config, name)
@@ -568,7 +583,6 @@ class Finetuner:
         the model's layers, and dropped with a warning when the tokenizer has no digit tokens."""
         config, layers = self.config, self.base_model.config.num_hidden_layers
         count = min(config.retrieval_layers, layers) if config.retrieval_layers_from_recipe else config.retrieval_layers
-        check_retrieval_count(count, layers)
         if count and config.retrieval_layers_from_recipe and not writes_digit_tokens(self.tokenizer):
             logger.warning("No retrieval layers: the tokenizer writes numbers with no digit tokens to score them by")
             count = 0

@@ -7,11 +7,14 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
+from transformers import MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
+from hf_softmax_rnn.training import trainer as trainer_module
+from tests.models.helpers import LLAMA_SHAPE
 from tests.training.helpers import MAX_POSITIONS, tiny_config
 
 BAD_RUNS = {
@@ -71,6 +74,40 @@ BAD_RUNS = {
 def test_bad_input_stops_before_training(tiny_models, tmp_path, settings, error, message):
     settings = {key: value.format(tmp=tmp_path) if isinstance(value, str) else value for key, value in settings.items()}
     config = tiny_config(settings.pop("model", tiny_models["llama"]), tmp_path / "out", **settings)
+    with pytest.raises(error, match=message):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+#: Settings that contradict the model's config alone (its type, layers, positions).
+BEFORE_LOADING = ["block-size-above-max-positions", "eval-block-size-above-max-positions", "layer-out-of-range"]
+BEFORE_LOADING += ["retrieval-layers-above-the-model", "unsupported-model-type"]
+
+
+@pytest.mark.parametrize("name", BEFORE_LOADING)
+def test_settings_against_the_models_config_stop_before_its_weights_and_the_data_load(
+    tiny_models, tmp_path, monkeypatch, name
+):
+    """A run whose settings contradict the model's config (read alone) stops before the weights and the
+    corpus load, which for a Hub model or dataset can take minutes."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("weights or data loaded before the settings were checked against the model's config")
+
+    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
+    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
+    if name == "unsupported-model-type":
+        model = tmp_path / "mistral"
+        MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, head_dim=8)).save_pretrained(model)
+        settings, error, message = (
+            {"model": str(model)},
+            UserInputError,
+            r"takes a model of type \['gpt2', 'llama'\] .*; got model_type 'mistral' \(MistralForCausalLM\)",
+        )
+    else:
+        settings, error, message = BAD_RUNS[name]
+        settings = {"model": tiny_models["llama"], **settings}
+    config = tiny_config(settings.pop("model"), tmp_path / "out", **settings)
     with pytest.raises(error, match=message):
         Finetuner(config)
     assert not (tmp_path / "out").exists()
