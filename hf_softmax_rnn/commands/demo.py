@@ -29,7 +29,7 @@ from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_config, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.layers.cache import cache_nbytes
@@ -318,6 +318,7 @@ def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[to
 def run(args) -> str:
     _check_args(args)
     start = time.perf_counter()
+    check_trained(args.trained, resolve_config(args.model))  # before the model, the data and the measurements
     base_model, tokenizer = resolve_model(args.model)
     base_model.eval()
     corpus = load_corpus(args.dataset)
@@ -328,7 +329,6 @@ def run(args) -> str:
             f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
             f"max_position_embeddings={max_positions}; use shorter contexts"
         )
-    check_trained(args.trained, base_model.config)
     contexts = _context_prompts(corpus["train"]["text"], tokenizer, args.contexts)
     results = [
         evaluate_preset(base_model, tokenizer, preset, eval_ids, contexts, args)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_model
+from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_config, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.long_context.extend import check_factor, extend_context
 from hf_softmax_rnn.long_context.fidelity import check_same_vocabulary
@@ -164,6 +164,8 @@ def run(args: argparse.Namespace) -> str:
                 f"--fidelity compares the model with its original, but {compared}; pass --original with the model it "
                 "was converted from"
             )
+    for name in names.values():  # a name that names no model stops before any model loads
+        resolve_config(name)
     loaded = {}
     for label, name in names.items():
         model, tokenizer = resolve_model(name)

@@ -192,9 +192,12 @@ def test_trained_rows_are_measured_like_the_presets(trained_results, tiny_llama_
 
 
 def test_trained_folders_are_checked_before_anything_is_measured(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Before anything is measured, and before the model and the data load (from its config alone)."""
     from hf_softmax_rnn.commands import demo
 
     monkeypatch.setattr(demo, "evaluate_preset", lambda *args: pytest.fail("measured before the check"))
+    monkeypatch.setattr(demo, "resolve_model", lambda *args: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(demo, "load_corpus", lambda *args: pytest.fail("the data loaded before the check"))
     assert run_demo(tiny_llama_dir, "--trained", str(tmp_path / "missing")) == 2
     assert "--trained '" + str(tmp_path / "missing") + "' holds no config.json" in capsys.readouterr().err
     other = tmp_path / "other-vocab"

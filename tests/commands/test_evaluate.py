@@ -211,6 +211,20 @@ def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, mes
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_name_that_names_no_model_stops_before_any_model_loads(saved, tmp_path, capsys, monkeypatch):
+    """`--model` naming no model is one line with status 2 before its original (loaded first) is read."""
+
+    def loaded(name, *args, **kwargs):
+        raise AssertionError(f"{name} loaded before every model name was checked")
+
+    monkeypatch.setattr("hf_softmax_rnn.commands.evaluate.resolve_model", loaded)
+    missing = str(tmp_path / "no_model")
+    argv = ["evaluate", "--model", missing, "--original", saved["original"], "--texts", saved["texts"]]
+    assert cli.main([*argv, "--passkey", "0", "--output", str(tmp_path / "out")]) == 2
+    assert f"Model {missing!r} is not a directory" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [("vocabulary", "the model scores 257 tokens and the reference 300"), ("tokenizer", "the tokenizers of")],
