@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 from datasets import DatasetDict
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from hf_softmax_rnn.analysis.bench_report import hardware_name
 from hf_softmax_rnn.attention_spec import AttentionSpec
@@ -318,14 +318,18 @@ class Finetuner:
 
     def _check_model_config(self, model_config: PreTrainedConfig) -> None:
         """Settings that contradict the model's config stop here, before its weights and the data load: a
-        model type `convert` does not take, layers or a retrieval-layer count beyond its layers, and blocks
-        longer than its positions (after `--extend-context`, which needs the weights, that check waits for
+        model type `convert` does not take, layers or a retrieval-layer count beyond its layers, LoRA targets
+        that match none of its modules (built on the meta device, without weights) and blocks longer than
+        its positions (after `--extend-context`, which needs the weights, that check waits for
         them)."""
         config, num_layers = self.config, model_config.num_hidden_layers
         with user_input_checks(ValueError, TypeError):
             check_convertible(model_config)
             if config.layers is not None:
                 converted_layers(config.layers, num_layers)
+            if config.finetune_steps and config.finetune_method == "lora":
+                with torch.device("meta"):  # the modules without their weights
+                    lora_targets(AutoModelForCausalLM.from_config(model_config), config.lora_targets)
         if not config.retrieval_layers_from_recipe:
             check_retrieval_count(config.retrieval_layers, num_layers)
         if config.extend_context is None:

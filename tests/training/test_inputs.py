@@ -81,7 +81,7 @@ def test_bad_input_stops_before_training(tiny_models, tmp_path, settings, error,
 
 #: Settings that contradict the model's config alone (its type, layers, positions).
 BEFORE_LOADING = ["block-size-above-max-positions", "eval-block-size-above-max-positions", "layer-out-of-range"]
-BEFORE_LOADING += ["retrieval-layers-above-the-model", "unsupported-model-type"]
+BEFORE_LOADING += ["retrieval-layers-above-the-model", "lora-target-matching-nothing", "unsupported-model-type"]
 
 
 @pytest.mark.parametrize("name", BEFORE_LOADING)
