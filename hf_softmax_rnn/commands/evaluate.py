@@ -27,7 +27,7 @@ from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_config, resolve_model
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.long_context.extend import check_factor, extend_context
+from hf_softmax_rnn.long_context.extend import check_factor, extend_context, extended_max_positions
 from hf_softmax_rnn.long_context.fidelity import check_same_vocabulary
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
@@ -164,8 +164,10 @@ def run(args: argparse.Namespace) -> str:
                 f"--fidelity compares the model with its original, but {compared}; pass --original with the model it "
                 "was converted from"
             )
-    for name in names.values():  # a name that names no model stops before any model loads
-        resolve_config(name)
+    for name in names.values():  # a name that names no model, or cannot extend, stops before any model loads
+        model_config = resolve_config(name)
+        if options.extend_context is not None:
+            extended_max_positions(model_config, options.extend_context)
     loaded = {}
     for label, name in names.items():
         model, tokenizer = resolve_model(name)

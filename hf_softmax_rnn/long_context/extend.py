@@ -54,6 +54,36 @@ def extended_positions(original: int, factor) -> int:
     return min(int(original * factor), MAX_POSITIONS)  # (float rounding may step past it)
 
 
+def extended_max_positions(config, factor, name: str | None = None) -> int:
+    """The `max_position_embeddings` of a model of `config` once `extend_context` extends it by `factor`
+    (its own when it is extended by `factor` already), from the config alone: so that settings beyond it
+    stop before the weights load. Raises UserInputError as `extend_context` does (`name`, the model's
+    class in the messages, defaults to the config's first architecture)."""
+    check_factor(factor)
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or "rope_type" not in rope:
+        raise _no_rotary_embedding(name or (config.architectures or [type(config).__name__])[0])
+    if _extended_by(rope, factor):
+        return config.max_position_embeddings
+    if rope["rope_type"] != "default":
+        raise UserInputError(
+            f"extend_context: the model's rotary embedding is already scaled (rope_type={rope['rope_type']!r}, "
+            f"factor={rope.get('factor')!r}); expected rope_type 'default', or 'yarn' by factor {factor!r}"
+        )
+    return extended_positions(config.max_position_embeddings, factor)
+
+
+def _extended_by(rope: dict, factor) -> bool:
+    return rope["rope_type"] == "yarn" and rope.get("factor") == factor
+
+
+def _no_rotary_embedding(name: str) -> UserInputError:
+    return UserInputError(
+        f"extend_context: {name} has no rotary position embedding to rescale (a learned position table, as "
+        "GPT-2's, has no rows past its limit); expected a model with rope_parameters"
+    )
+
+
 def extend_context(model, factor: float):
     """`model` (in place, and returned) reading `factor` times its `config.max_position_embeddings`:
     its rotary embeddings rebuilt with YaRN scaling by `factor` (> 1) from the config's own
@@ -65,24 +95,15 @@ def extend_context(model, factor: float):
     embeddings (GPT-2 looks positions up in a learned table), or one whose rotary embedding is scaled
     otherwise (another `rope_type`, or YaRN by another factor).
     """
-    check_factor(factor)
     config = model.config
-    rope = getattr(config, "rope_parameters", None)
+    positions = extended_max_positions(config, factor, type(model).__name__)
     modules = _rotary_modules(model)
-    if not isinstance(rope, dict) or "rope_type" not in rope or not modules:
-        raise UserInputError(
-            f"extend_context: {type(model).__name__} has no rotary position embedding to rescale (a learned "
-            "position table, as GPT-2's, has no rows past its limit); expected a model with rope_parameters"
-        )
-    if rope["rope_type"] == "yarn" and rope.get("factor") == factor:
+    if not modules:
+        raise _no_rotary_embedding(type(model).__name__)
+    rope = config.rope_parameters
+    if _extended_by(rope, factor):
         return model
-    if rope["rope_type"] != "default":
-        raise UserInputError(
-            f"extend_context: the model's rotary embedding is already scaled (rope_type={rope['rope_type']!r}, "
-            f"factor={rope.get('factor')!r}); expected rope_type 'default', or 'yarn' by factor {factor!r}"
-        )
     original = config.max_position_embeddings
-    positions = extended_positions(original, factor)
     scaled = {
         "rope_parameters": {
             **rope,

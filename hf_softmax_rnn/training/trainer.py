@@ -36,7 +36,7 @@ from hf_softmax_rnn.default_model import resolve_config, resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
 from hf_softmax_rnn.layers import softmax_rnn_attention_modules, student_outputs
-from hf_softmax_rnn.long_context.extend import extend_context
+from hf_softmax_rnn.long_context.extend import extend_context, extended_max_positions
 from hf_softmax_rnn.long_context.retrieval import (
     DEFAULT_LENGTH,
     check_retrieval_count,
@@ -194,7 +194,6 @@ class Finetuner:
         self.base_model, self.tokenizer = resolve_model(config.teacher or config.model)
         if config.extend_context is not None:
             extend_context(self.base_model, config.extend_context)
-            self._check_block_size(self.base_model.config)
         if GENERATED_CORPUS in config.dataset_sources:
             corpora[GENERATED_CORPUS] = self._generated_corpus()
         texts = join_corpora([corpora[name] for name in config.dataset_sources])
@@ -319,9 +318,8 @@ class Finetuner:
     def _check_model_config(self, model_config: PreTrainedConfig) -> None:
         """Settings that contradict the model's config stop here, before its weights and the data load: a
         model type `convert` does not take, layers or a retrieval-layer count beyond its layers, LoRA targets
-        that match none of its modules (built on the meta device, without weights) and blocks longer than
-        its positions (after `--extend-context`, which needs the weights, that check waits for
-        them)."""
+        that match none of its modules (built on the meta device, without weights), an `--extend-context`
+        it cannot take, and blocks longer than its positions (extended, with `--extend-context`)."""
         config, num_layers = self.config, model_config.num_hidden_layers
         with user_input_checks(ValueError, TypeError):
             check_convertible(model_config)
@@ -333,13 +331,14 @@ class Finetuner:
         if not config.retrieval_layers_from_recipe:
             check_retrieval_count(config.retrieval_layers, num_layers)
         if config.extend_context is None:
-            self._check_block_size(model_config)
+            self._check_block_size(getattr(model_config, "max_position_embeddings", None))
+        else:
+            self._check_block_size(extended_max_positions(model_config, config.extend_context))
 
-    def _check_block_size(self, model_config: PreTrainedConfig) -> None:
-        """Blocks the recipe chose are cut to the model's positions; blocks the user asked for must fit them
-        (the state stage's only where it trains)."""
+    def _check_block_size(self, maximum: int | None) -> None:
+        """Blocks the recipe chose are cut to the model's `maximum` positions; blocks the user asked for must
+        fit them (the state stage's only where it trains)."""
         config = self.config
-        maximum = getattr(model_config, "max_position_embeddings", None)
         names = ("block_size", "eval_block_size") + (("state_block_size",) if config.state_steps else ())
         for name in names:
             value = getattr(config, name)

@@ -4,7 +4,7 @@ finetune folder's results.json), the files it writes, and bad input as one line 
 import json
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.commands.evaluate import original_of
@@ -212,7 +212,8 @@ def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, mes
 
 
 def test_a_model_name_that_names_no_model_stops_before_any_model_loads(saved, tmp_path, capsys, monkeypatch):
-    """`--model` naming no model is one line with status 2 before its original (loaded first) is read."""
+    """`--model` naming no model is one line with status 2 before its original (loaded first) is read, and so
+    is `--extend-context` for a model without rotary embeddings."""
 
     def loaded(name, *args, **kwargs):
         raise AssertionError(f"{name} loaded before every model name was checked")
@@ -223,6 +224,12 @@ def test_a_model_name_that_names_no_model_stops_before_any_model_loads(saved, tm
     assert cli.main([*argv, "--passkey", "0", "--output", str(tmp_path / "out")]) == 2
     assert f"Model {missing!r} is not a directory" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=300)).save_pretrained(gpt2)
+    argv = ["evaluate", "--model", str(gpt2), "--original", "none", "--texts", saved["texts"], "--passkey", "0"]
+    assert cli.main([*argv, "--extend-context", "2", "--output", str(tmp_path / "out")]) == 2
+    message = "GPT2LMHeadModel has no rotary position embedding to rescale"
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(

@@ -79,14 +79,39 @@ def test_bad_input_stops_before_training(tiny_models, tmp_path, settings, error,
     assert not (tmp_path / "out").exists()
 
 
-#: Settings that contradict the model's config alone (its type, layers, positions).
-BEFORE_LOADING = ["block-size-above-max-positions", "eval-block-size-above-max-positions", "layer-out-of-range"]
-BEFORE_LOADING += ["retrieval-layers-above-the-model", "lora-target-matching-nothing", "unsupported-model-type"]
+#: Settings that contradict the model's config alone (its type, layers, positions, rotary embeddings).
+BEFORE_LOADING = {
+    name: BAD_RUNS[name]
+    for name in (
+        "block-size-above-max-positions",
+        "eval-block-size-above-max-positions",
+        "layer-out-of-range",
+        "retrieval-layers-above-the-model",
+        "lora-target-matching-nothing",
+    )
+}
+BEFORE_LOADING |= {
+    "block-size-above-extended-positions": (
+        dict(extend_context=2, block_size=MAX_POSITIONS * 3),
+        UserInputError,
+        rf"block_size=192 is larger than the model's maximum of {MAX_POSITIONS * 2} positions",
+    ),
+    "extend-context-without-rotary-embeddings": (
+        dict(model="gpt2", extend_context=2),
+        UserInputError,
+        "GPT2LMHeadModel has no rotary position embedding to rescale",
+    ),
+    "unsupported-model-type": (
+        dict(model="mistral"),
+        UserInputError,
+        r"takes a model of type \['gpt2', 'llama'\] .*; got model_type 'mistral' \(MistralForCausalLM\)",
+    ),
+}
 
 
-@pytest.mark.parametrize("name", BEFORE_LOADING)
+@pytest.mark.parametrize("settings,error,message", BEFORE_LOADING.values(), ids=BEFORE_LOADING.keys())
 def test_settings_against_the_models_config_stop_before_its_weights_and_the_data_load(
-    tiny_models, tmp_path, monkeypatch, name
+    tiny_models, tmp_path, monkeypatch, settings, error, message
 ):
     """A run whose settings contradict the model's config (read alone) stops before the weights and the
     corpus load, which for a Hub model or dataset can take minutes."""
@@ -96,18 +121,10 @@ def test_settings_against_the_models_config_stop_before_its_weights_and_the_data
 
     monkeypatch.setattr(trainer_module, "resolve_model", loaded)
     monkeypatch.setattr(trainer_module, "load_corpus", loaded)
-    if name == "unsupported-model-type":
-        model = tmp_path / "mistral"
-        MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, head_dim=8)).save_pretrained(model)
-        settings, error, message = (
-            {"model": str(model)},
-            UserInputError,
-            r"takes a model of type \['gpt2', 'llama'\] .*; got model_type 'mistral' \(MistralForCausalLM\)",
-        )
-    else:
-        settings, error, message = BAD_RUNS[name]
-        settings = {"model": tiny_models["llama"], **settings}
-    config = tiny_config(settings.pop("model"), tmp_path / "out", **settings)
+    models = dict(tiny_models, mistral=str(tmp_path / "mistral"))
+    MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, head_dim=8)).save_pretrained(models["mistral"])
+    settings = dict(settings)
+    config = tiny_config(models[settings.pop("model", "llama")], tmp_path / "out", **settings)
     with pytest.raises(error, match=message):
         Finetuner(config)
     assert not (tmp_path / "out").exists()
