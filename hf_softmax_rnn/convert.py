@@ -58,9 +58,14 @@ def check_convertible(config: PreTrainedConfig) -> None:
         )
 
 
-def converted_class(model: PreTrainedModel) -> type[PreTrainedModel]:
-    """The softmax_rnn class that `convert` makes of `model` (TypeError for a model it does not convert)."""
-    return _family(model)[1]
+def converted_model_type(config: PreTrainedConfig) -> str:
+    """The `model_type` of what `convert` makes of a model of `config` (TypeError for one it does not take)."""
+    check_convertible(config)
+    return next(
+        family[0].model_type
+        for source, family in FAMILIES.items()
+        if source.config_class.model_type == config.model_type
+    )
 
 
 def source_attention_modules(model: PreTrainedModel) -> list[nn.Module]:

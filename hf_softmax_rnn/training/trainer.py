@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from hf_softmax_rnn.analysis.bench_report import hardware_name
 from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.convert import check_convertible, convert, converted_class, converted_layers
+from hf_softmax_rnn.convert import check_convertible, convert, converted_layers, converted_model_type
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
 from hf_softmax_rnn.default_model import resolve_config, resolve_model
@@ -130,6 +130,11 @@ _VALUE_NAMES = {
     "lr": "learning rate",
     "rnn_lr": "rnn_params learning rate",
 }
+
+
+def _architecture(config: PreTrainedConfig) -> str:
+    """The model class a config names (its first architecture), else the config's class."""
+    return (config.architectures or [type(config).__name__])[0]
 
 
 def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
@@ -299,17 +304,8 @@ class Finetuner:
         return path
 
     def _converted_model(self) -> PreTrainedModel:
-        """--model, converted already, with --attention-mode; checked to be a conversion of a model shaped as
-        --teacher (the same family, layers, heads and vocabulary)."""
+        """--model, converted already (checked against --teacher by `_check_teacher`), with --attention-mode."""
         model, _ = resolve_model(self.config.model)
-        teacher = self.base_model
-        shape = {name: getattr(model.config, name, None) for name in _SHAPE_SETTINGS}
-        expected = {name: getattr(teacher.config, name, None) for name in _SHAPE_SETTINGS}
-        if converted_class(teacher) is not type(model) or shape != expected:
-            raise UserInputError(
-                f"--model {self.config.model!r} ({type(model).__name__}, {shape}) is not a conversion of --teacher "
-                f"{self.config.teacher!r} ({type(teacher).__name__}, {expected}); pass the model it was converted from"
-            )
         model.config.attention_mode = self.config.attention_mode
         for module in softmax_rnn_attention_modules(model):
             module.set_attention_mode(self.config.attention_mode)
@@ -328,12 +324,25 @@ class Finetuner:
             if config.finetune_steps and config.finetune_method == "lora":
                 with torch.device("meta"):  # the modules without their weights
                     lora_targets(AutoModelForCausalLM.from_config(model_config), config.lora_targets)
+        if config.continues_converted:
+            self._check_teacher(resolve_config(config.model), model_config)
         if not config.retrieval_layers_from_recipe:
             check_retrieval_count(config.retrieval_layers, num_layers)
         if config.extend_context is None:
             self._check_block_size(getattr(model_config, "max_position_embeddings", None))
         else:
             self._check_block_size(extended_max_positions(model_config, config.extend_context))
+
+    def _check_teacher(self, converted: PreTrainedConfig, teacher: PreTrainedConfig) -> None:
+        """A converted --model must be a conversion of a model shaped as --teacher: the same family, layers,
+        heads and vocabulary (from the two configs)."""
+        shape = {name: getattr(converted, name, None) for name in _SHAPE_SETTINGS}
+        expected = {name: getattr(teacher, name, None) for name in _SHAPE_SETTINGS}
+        if converted.model_type != converted_model_type(teacher) or shape != expected:
+            raise UserInputError(
+                f"--model {self.config.model!r} ({_architecture(converted)}, {shape}) is not a conversion of --teacher "
+                f"{self.config.teacher!r} ({_architecture(teacher)}, {expected}); pass the model it was converted from"
+            )
 
     def _check_block_size(self, maximum: int | None) -> None:
         """Blocks the recipe chose are cut to the model's `maximum` positions; blocks the user asked for must

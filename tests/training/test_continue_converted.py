@@ -10,6 +10,7 @@ from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.commands.evaluate import original_of
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
+from hf_softmax_rnn.training import trainer as trainer_module
 from hf_softmax_rnn.training.outputs import portable_path
 from tests.training.helpers import direct_perplexity, tiny_config, weights
 
@@ -98,7 +99,16 @@ def test_a_teacher_beside_an_unconverted_model_is_refused(tiny_models, tmp_path)
         tiny_config(tiny_models["llama"], tmp_path / "out", teacher=tiny_models["gpt2"])
 
 
-def test_a_teacher_of_another_shape_is_refused_before_anything_is_written(tiny_models, converted_llama, tmp_path):
+def test_a_teacher_of_another_shape_is_refused_before_anything_is_written(
+    tiny_models, converted_llama, tmp_path, monkeypatch
+):
+    """From the two configs, before either model or the data loads."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model or the data loaded before --teacher was checked against --model")
+
+    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
+    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
     config = continued(converted_llama, tiny_models["gpt2"], tmp_path / "out")
     with pytest.raises(UserInputError, match=r"is not a conversion of --teacher '.*' \(GPT2LMHeadModel"):
         Finetuner(config)
