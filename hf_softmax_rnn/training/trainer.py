@@ -328,10 +328,10 @@ class Finetuner:
             self._check_teacher(resolve_config(config.model), model_config)
         if not config.retrieval_layers_from_recipe:
             check_retrieval_count(config.retrieval_layers, num_layers)
-        if config.extend_context is None:
-            self._check_block_size(getattr(model_config, "max_position_embeddings", None))
-        else:
-            self._check_block_size(extended_max_positions(model_config, config.extend_context))
+        maximum = getattr(model_config, "max_position_embeddings", None)
+        if config.extend_context is not None:
+            maximum = extended_max_positions(model_config, config.extend_context)
+        self._check_block_size(maximum)
 
     def _check_teacher(self, converted: PreTrainedConfig, teacher: PreTrainedConfig) -> None:
         """A converted --model must be a conversion of a model shaped as --teacher: the same family, layers,
