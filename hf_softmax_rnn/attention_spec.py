@@ -105,6 +105,12 @@ class AttentionSpec:
             higher-ranked key displaces it).
             Needs a `window`; None = none. Decoding keeps the K keys and values beside the window's.
             See docs/long_context.md.
+        delta_rule: the finite state is corrected toward each entering value instead of only added to
+            (DeltaNet): with unit key features u_s = phi(k_s) / |phi(k_s)| and a write strength b_t in
+            (0, 1) per position and KV head (`gates["delta"]`), S_t = a_t (I - b_t u_s u_s^T) S_{t-1} +
+            b_t phi(k_s) [v_s, 1]^T for the key s that enters at step t (with `decay`, the gated delta
+            rule; a_t = 1 without). Keys that never share a direction add up as in linear attention when
+            b_t = 1; a key that repeats overwrites its value. See docs/delta_rule.md.
     """
 
     kind: str = "softmax"
@@ -123,6 +129,7 @@ class AttentionSpec:
     sinks: int | None = None
     decay: bool = False
     kept: int | None = None
+    delta_rule: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -222,6 +229,8 @@ class AttentionSpec:
                 "recurrent state, which this spec does not have; expected decay=False, or a finite-state spec "
                 "(kind='linear', or kind='recurrent_softmax' with a taylor_order, and no score_clamp)"
             )
+        if self.delta_rule:
+            self._validate_delta_rule()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
@@ -256,6 +265,24 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec.score_clamp={self.score_clamp!r} is not allowed with window={self.window}; "
                 "expected None"
+            )
+
+    def _validate_delta_rule(self) -> None:
+        """The delta rule corrects a finite state, and its denominator column is a correction too: it
+        stays positive only beside an exact part, so without a window the normaliser must not read it."""
+        if not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.delta_rule=True is not allowed with {self.describe()}: the delta rule corrects the "
+                "finite recurrent state, which this spec does not have; expected delta_rule=False, or a finite-state "
+                "spec (kind='linear', or kind='recurrent_softmax' with a taylor_order, and no score_clamp)"
+            )
+        if self.window is None and self.normalizer in DENOMINATOR_NORMALIZERS:
+            allowed = [name for name in NORMALIZERS if name not in DENOMINATOR_NORMALIZERS]
+            raise ValueError(
+                f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with delta_rule=True and no window: "
+                "a delta-rule state overwrites its denominator as it does its values, which can then be 0 or "
+                f"negative; expected one of {allowed}, or set a window (whose exact part keeps the denominator "
+                "positive)"
             )
 
     def _validate_beside_window(self, name: str, what: str) -> None:
@@ -384,6 +411,8 @@ class AttentionSpec:
             parts.insert(1, exact)
         if self.decay:
             parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
+        if self.delta_rule:
+            parts.insert(2 if self.window is not None else 1, "delta-rule state")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -439,6 +468,7 @@ _FIELD_TYPES = (
     ("sinks", _OPTIONAL_INT, "None or an int"),
     ("decay", (bool,), "true or false"),
     ("kept", _OPTIONAL_INT, "None or an int"),
+    ("delta_rule", (bool,), "true or false"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -606,6 +636,25 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "
         "linear attention over the rest with a data-dependent decay of its state, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=256, decay=True),
+    ),
+    "deltanet": (
+        "linear attention with a delta-rule state (DeltaNet): identity features, RMSNorm in place of the denominator",
+        dict(kind="linear", feature_map="identity", normalizer="rms", delta_rule=True),
+    ),
+    "gated_deltanet": (
+        "linear attention with a gated delta-rule state (Gated DeltaNet): identity features, a data-dependent "
+        "decay, RMSNorm in place of the denominator",
+        dict(kind="linear", feature_map="identity", normalizer="rms", delta_rule=True, decay=True),
+    ),
+    "hedgehog_window_64_sinks_4_delta": (
+        "exact softmax over the first 4 and the last 64 positions, hedgehog features with a gated delta-rule "
+        "state beyond, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True, delta_rule=True),
+    ),
+    "hedgehog_window_256_sinks_4_kept_256_delta": (
+        "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "
+        "features with a gated delta-rule state over the rest, one denominator",
+        dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=256, decay=True, delta_rule=True),
     ),
 }
 

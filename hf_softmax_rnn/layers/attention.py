@@ -50,6 +50,9 @@ GATE_BIAS_INIT = 5.0
 #: mean). Training blocks are 1,024 to 2,048 positions, so what a layer does further back is mostly set
 #: here: a spread bounds the state's mass at any length and lets distillation choose between heads.
 DECAY_HALF_LIFE_RANGE = (512.0, 16384.0)
+#: Bias of the delta rule's write strength at initialisation: sigmoid(0) = 0.5, the mean of DeltaNet's
+#: (a random projection): each entering key moves what the state recalls along it half way to its value.
+DELTA_BIAS_INIT = 0.0
 
 
 def decay_half_lives(num_kv_heads: int) -> torch.Tensor:
@@ -90,6 +93,8 @@ class RNNParams(nn.Module):
     - `linear_log_scale` `[H]`: with a sliding window, the log weight of the finite-state part.
     - `decay_proj`: Linear(hidden, Hkv), logsigmoid -> the log-decay of the finite state per position
       and KV head (`spec.decay`; not named `*gate_proj`, which PEFT would match in the MLP).
+    - `delta_proj`: Linear(hidden, Hkv), sigmoid -> the write strength of a delta-rule state per position
+      and KV head (`spec.delta_rule`).
 
     Initialisation (`reset_parameters`, also what `convert` gives a pretrained model):
     gate weights 0 and bias `GATE_BIAS_INIT`, so each gate is the constant 0.993 until
@@ -99,7 +104,7 @@ class RNNParams(nn.Module):
     Hedgehog paper's initialisation, to be fitted to softmax by attention transfer; the
     window's linear log weight 0 (the finite-state part weighs as the kernel says); the decay
     weight 0 and the bias of each KV head set by `decay_half_lives`, so each head's state starts with
-    a constant half-life between 512 and 16,384 positions.
+    a constant half-life between 512 and 16,384 positions; the delta weight 0 and bias `DELTA_BIAS_INIT`.
     """
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
@@ -107,6 +112,7 @@ class RNNParams(nn.Module):
         self.input_gate = nn.Linear(hidden_size, num_kv_heads) if spec.input_gate else None
         self.output_gate = nn.Linear(hidden_size, num_heads) if spec.output_gate else None
         self.decay_proj = nn.Linear(hidden_size, num_kv_heads) if spec.decay else None
+        self.delta_proj = nn.Linear(hidden_size, num_kv_heads) if spec.delta_rule else None
         sizes = {"H": num_heads, "Dv": head_dim}
         self._tensor_names: list[str] = []
         for name, shape in _NORMALIZER_PARAMS.get(spec.normalizer, {}).items():
@@ -132,6 +138,9 @@ class RNNParams(nn.Module):
             init.zeros_(self.decay_proj.weight)
             bias = decay_bias(decay_half_lives(self.decay_proj.out_features))
             init.copy_(self.decay_proj.bias, bias.to(self.decay_proj.bias))
+        if self.delta_proj is not None:
+            init.zeros_(self.delta_proj.weight)
+            init.constant_(self.delta_proj.bias, DELTA_BIAS_INIT)
         for name in self._tensor_names:
             tensor = getattr(self, name)
             if name.startswith("hedgehog"):
@@ -142,7 +151,7 @@ class RNNParams(nn.Module):
 
     def gates(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Gate values from the layer input `[B, L, hidden]`: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`,
-        "decay": `[B, Hkv, L]` log-decays}."""
+        "decay": `[B, Hkv, L]` log-decays, "delta": `[B, Hkv, L]` write strengths}."""
         gates = {}
         for name, gate in (("input", self.input_gate), ("output", self.output_gate)):
             if gate is not None:
@@ -150,6 +159,9 @@ class RNNParams(nn.Module):
         if self.decay_proj is not None:
             logits = self.decay_proj(hidden_states)
             gates["decay"] = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))).transpose(1, 2)
+        if self.delta_proj is not None:
+            logits = self.delta_proj(hidden_states)
+            gates["delta"] = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))).transpose(1, 2)
         return gates
 
     def op_params(self) -> AttentionParams:

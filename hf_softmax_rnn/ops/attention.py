@@ -11,6 +11,7 @@ import torch
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.checks import check_arguments, check_inputs, check_state
+from hf_softmax_rnn.ops.delta import parallel_delta_values
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
@@ -18,7 +19,7 @@ from hf_softmax_rnn.ops.kept import rank_scores, select_kept
 from hf_softmax_rnn.ops.kernels import AttentionParams, FeatureKernel
 from hf_softmax_rnn.ops.linear import chunked_linear_attention, recurrent_linear_attention
 from hf_softmax_rnn.ops.normalizers import normalize
-from hf_softmax_rnn.ops.parallel import parallel_scores, visible_counts
+from hf_softmax_rnn.ops.parallel import parallel_parts, parallel_scores, visible_counts
 from hf_softmax_rnn.ops.recurrent_state import RecurrentState, state_tag
 from hf_softmax_rnn.ops.sinks import add_sink_attention, filled_sinks, visible_ranks
 from hf_softmax_rnn.ops.softmax import softmax_attention
@@ -97,7 +98,9 @@ def attention(
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
         gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate;
             {"decay": `[B, Hkv, Lk]`} log-decays <= 0 of the finite state (`ops.decay`), when the spec
-            has a decay (padding positions are set to 0 here: they never decay the state).
+            has a decay (padding positions are set to 0 here: they never decay the state);
+            {"delta": `[B, Hkv, Lk]`} write strengths in [0, 1] of a delta-rule state (`ops.delta`), one
+            per step (with a window, the step at which a key enters the state), when the spec has one.
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
         params: the learned tensors the spec needs (`AttentionParams`).
         scale: the softmax scaling of q.k (default 1/sqrt(D)): exact exp uses it, and so does
@@ -154,11 +157,12 @@ def attention(
     log_decay = gates.get("decay")
     if log_decay is not None:
         log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
+    strength = gates.get("delta")
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
 
     needs_state = mode != "parallel" and return_state
-    exact_hybrid = _every_key_exact(spec, length, state is None, needs_state)
+    exact_hybrid = _every_key_exact(spec, key_len, state is None, needs_state)
     if spec.kind == "softmax" or exact_hybrid:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale)
@@ -186,7 +190,7 @@ def attention(
         numerator, denominator = taylor2_attention(q, k, v, padding, kernel.scale)
         visible = visible_counts(key_mask, length)
     elif mode == "parallel":
-        scores, log_shift = parallel_scores(
+        parallel_inputs = (
             grouped_q,
             k,
             key_mask,
@@ -198,8 +202,13 @@ def attention(
             None if log_decay is None else log_decay.to(compute_dtype),
             spec.kept,
         )
-        numerator = grouped_matmul(scores, v)
-        denominator = scores.sum(-1)
+        if spec.delta_rule:
+            numerator, denominator = _parallel_delta(parallel_inputs, v, key_mask, strength.to(compute_dtype))
+            log_shift = None
+        else:
+            scores, log_shift = parallel_scores(*parallel_inputs)
+            numerator = grouped_matmul(scores, v)
+            denominator = scores.sum(-1)
         visible = visible_counts(key_mask, length)
     else:
         window_fused = window_backend(
@@ -235,6 +244,7 @@ def attention(
             io_dtype=out_dtype,
             in_place=update_state_in_place,
             log_decay=None if log_decay is None else log_decay.to(compute_dtype),
+            delta_strength=None if strength is None else strength.to(compute_dtype),
             flex_inputs=_flex_inputs(input_qkv, out_dtype) if window_fused == "flex" else None,
             fresh_state=fresh_state,
             keep_state=needs_state,
@@ -259,9 +269,27 @@ def attention(
     return out.to(out_dtype), new_state
 
 
-def _every_key_exact(spec: AttentionSpec, length: int, fresh_state: bool, needs_state: bool) -> bool:
-    """Whether a hybrid call is exact softmax attention: from an empty state, a call of at most
-    `spec.exact_positions` positions sends no key to the finite state (its window, sinks and kept
+def _parallel_delta(parallel_inputs: tuple, v: torch.Tensor, key_mask: torch.Tensor, strength: torch.Tensor):
+    """(numerator `[B, Hkv, G, Lq, Dv]`, denominator `[B, Hkv, G, Lq]`) of the parallel form of a delta-rule
+    spec: its exact part (a hybrid's) reads the values, its finite-state part the corrections that the
+    delta rule wrote for each key (`ops.delta.parallel_delta_values`), scored against the unit keys."""
+    k, kernel = parallel_inputs[1], parallel_inputs[3]
+    parts = parallel_parts(*parallel_inputs)
+    augmented_v = torch.cat([v, key_mask.to(v.dtype)[:, None, :, None].expand(*v.shape[:-1], 1)], dim=-1)
+    log_decay = parallel_inputs[8]
+    corrections, inverse_norm = parallel_delta_values(
+        kernel.key_features(k), augmented_v, strength, parts.entry, parts.enters, log_decay
+    )
+    augmented = grouped_matmul(parts.finite * inverse_norm[:, :, None, None, :], corrections)
+    if parts.exact is not None:
+        augmented = augmented + grouped_matmul(parts.exact, augmented_v)
+    numerator, denominator = augmented.split([v.shape[-1], 1], dim=-1)
+    return numerator, denominator.squeeze(-1)
+
+
+def _every_key_exact(spec: AttentionSpec, key_len: int, fresh_state: bool, needs_state: bool) -> bool:
+    """Whether a hybrid call is exact softmax attention: from an empty state, a call whose queries
+    see at most `spec.exact_positions` keys sends no key to the finite state (its window, sinks and kept
     positions hold every key), so with the softmax normaliser its output is that of causal softmax over
     the visible keys. Such a call (a training block, a scored text no longer than the exact part) runs
     SDPA when no state is asked of it; its finite state's tensors (feature maps, mixing weight,
@@ -270,7 +298,7 @@ def _every_key_exact(spec: AttentionSpec, length: int, fresh_state: bool, needs_
         spec.window is not None
         and fresh_state
         and not needs_state
-        and length <= spec.exact_positions
+        and key_len <= spec.exact_positions
         and spec.normalizer == "softmax"
     )
 
@@ -306,6 +334,7 @@ def _finite_state(
     io_dtype: torch.dtype | None = None,
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
+    delta_strength: torch.Tensor | None = None,
     flex_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fresh_state: bool = False,
     keep_state: bool = True,
@@ -316,7 +345,8 @@ def _finite_state(
     that leave the window (the buffer first), and the exact part the window itself; with sinks,
     the sinks' values are zeroed on their way into the finite state and the exact part also
     reads the sink buffer (a sink inside the window is counted there once). `log_decay` `[B, Hkv, L]`
-    decays the finite state at each new position before the key that enters there is added.
+    decays the finite state at each new position before the key that enters there is added, and
+    `delta_strength` `[B, Hkv, L]` (a delta-rule spec) is the write strength of each position's entering key.
     With `flex_inputs` (the caller's q `[B, H, L, D]`, k and v; given where `ops.backends` picks "flex":
     an empty buffer and no state wanted back) the exact part, sinks included, runs in FlexAttention.
     One recurrent step of a hybrid (decoding) takes `ops.window_step`, the same result in fewer
@@ -325,7 +355,18 @@ def _finite_state(
     window buffers and finite state are then not written where that costs a pass (their fields None)."""
     if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
         return window_hybrid_step(
-            q, k, augmented_v, key_mask, state, kernel, spec, window_scale, linear_log_scale, in_place, log_decay
+            q,
+            k,
+            augmented_v,
+            key_mask,
+            state,
+            kernel,
+            spec,
+            window_scale,
+            linear_log_scale,
+            in_place,
+            log_decay,
+            delta_strength,
         )
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
@@ -379,10 +420,22 @@ def _finite_state(
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
-            q, entering_keys, entering, packed, kernel, spec.chunk_size, io_dtype, log_decay, fresh_state, keep_state
+            q,
+            entering_keys,
+            entering,
+            packed,
+            kernel,
+            spec.chunk_size,
+            io_dtype,
+            log_decay,
+            fresh_state,
+            keep_state,
+            delta_strength,
         )
     else:
-        linear, packed = recurrent_linear_attention(q, entering_keys, entering, packed, kernel, in_place, log_decay)
+        linear, packed = recurrent_linear_attention(
+            q, entering_keys, entering, packed, kernel, in_place, log_decay, delta_strength
+        )
     new_state.packed = packed
     if spec.window is None:
         return linear, new_state

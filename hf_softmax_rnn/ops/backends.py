@@ -160,7 +160,7 @@ def polynomial_backend(
         return None
     if spec.effective_feature_map != "taylor" or spec.taylor_order != 2 or spec.window is not None:
         return None
-    if spec.decay:  # the Triton kernel has no forget gate; the chunked forms carry it
+    if spec.decay or spec.delta_rule:  # the Triton kernel has neither a forget gate nor a delta rule
         return None
     if spec.score_clamp is not None:
         return None
@@ -207,6 +207,17 @@ def window_backend(
         _warn_missing("triton", "the window part of sliding-window hybrids")
         return None
     return "flex" if flex_attention_available() else None
+
+
+def note_pytorch_form(device_type: str, dtype: torch.dtype, computes: str) -> None:
+    """Say once, where the fused kernels would run, that `computes` has none and runs the PyTorch form."""
+    if _fused_device(device_type, dtype):
+        _warn_no_kernel(computes)
+
+
+@functools.cache
+def _warn_no_kernel(computes: str) -> None:
+    logger.warning("%s has no fused kernel in hf_softmax_rnn: it runs the PyTorch form on the GPU", computes)
 
 
 @functools.cache

@@ -71,7 +71,8 @@ def check_arguments(gates, params, scale, max_state_bytes) -> None:
     """The types and ranges of the arguments other than the tensors, the spec, the mode and the state."""
     if gates is not None and not isinstance(gates, Mapping):
         raise TypeError(
-            f"attention: gates must be None or a dict of tensors ('output', 'decay'); got {type(gates).__name__}"
+            "attention: gates must be None or a dict of tensors ('output', 'decay', 'delta'); got "
+            f"{type(gates).__name__}"
         )
     if params is not None and not _is_attention_params(params):
         raise TypeError(f"attention: params must be None or an AttentionParams; got {type(params).__name__}")
@@ -129,10 +130,11 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
 
 
 def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:
-    unknown = sorted(set(gates) - {"output", "decay"}, key=repr)
+    unknown = sorted(set(gates) - {"output", "decay", "delta"}, key=repr)
     if unknown:
         raise ValueError(
-            f"attention: unknown gates {unknown}; expected only 'output' and 'decay' (the caller gates v itself)"
+            f"attention: unknown gates {unknown}; expected only 'output', 'decay' and 'delta' (the caller gates v "
+            "itself)"
         )
     for name, gate in gates.items():
         if not isinstance(gate, torch.Tensor) or not gate.is_floating_point() or gate.device != q.device:
@@ -147,6 +149,20 @@ def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: Attenti
             f"query, {list(q.shape[:3])}"
         )
     _check_decay(gates.get("decay"), k, spec)
+    _check_delta(gates.get("delta"), k, spec)
+
+
+def _check_delta(strength: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
+    if spec.delta_rule != (strength is not None):
+        raise ValueError(
+            f"attention: {spec.describe()} has delta_rule={spec.delta_rule}, so it takes gates['delta'] (write "
+            f"strengths in [0, 1], [B, Hkv, Lk]) {'and needs them' if spec.delta_rule else 'only with delta_rule=True'}"
+        )
+    if strength is not None and tuple(strength.shape) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"attention: gates['delta'] has shape {tuple(strength.shape)}; expected one write strength per KV head "
+            f"and key, {list(k.shape[:3])}"
+        )
 
 
 def _check_decay(log_decay: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:

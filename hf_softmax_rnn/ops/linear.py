@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from hf_softmax_rnn.ops.backends import fla_linear_function
+from hf_softmax_rnn.ops.backends import fla_linear_function, note_pytorch_form
 from hf_softmax_rnn.ops.chunked import chunked_kernel_attention
 from hf_softmax_rnn.ops.decay import chunked_decayed_linear_attention
+from hf_softmax_rnn.ops.delta import chunked_delta_attention, recurrent_delta_attention
 from hf_softmax_rnn.ops.fla_linear import fla_chunked_linear_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import FeatureKernel
@@ -60,12 +61,18 @@ def chunked_linear_attention(
     log_decay: torch.Tensor | None = None,
     empty_state: bool = False,
     final_state: bool = True,
+    delta_strength: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
     `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's); `log_decay`
     `[B, Hkv, L]`: the decay of the state at each position (None = no decay); `empty_state`: `state`
     is zero, which the fused kernel then need not read; `final_state=False`: the caller discards the
-    state after the call (training), which the fused kernel then neither writes nor returns (None)."""
+    state after the call (training), which the fused kernel then neither writes nor returns (None).
+    `delta_strength` `[B, Hkv, L]`: the write strengths of a delta-rule state (`ops.delta`, which has no
+    fused kernel: it runs in PyTorch on every device); None = the additive state."""
+    if delta_strength is not None:
+        note_pytorch_form(q.device.type, io_dtype or q.dtype, "the delta rule")
+        return chunked_delta_attention(q, k, v, delta_strength, state, kernel, chunk_size, log_decay)
     io_dtype = io_dtype or q.dtype
     chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
@@ -102,11 +109,15 @@ def recurrent_linear_attention(
     kernel: FeatureKernel,
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
+    delta_strength: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """S'_t = a_t S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time, with
     a_t = exp(`log_decay` `[B, Hkv, L]`) or 1 without it.
     `in_place`: update `state` itself (decoding without autograd: one read and one write of the
-    state per step instead of a new tensor that a cache then copies back)."""
+    state per step instead of a new tensor that a cache then copies back). `delta_strength`
+    `[B, Hkv, L]`: a delta-rule state's write strengths (`ops.delta`); None = the additive state."""
+    if delta_strength is not None:
+        return recurrent_delta_attention(q, k, v, delta_strength, state, kernel, in_place, log_decay)
     phi_q = kernel.query_features(q)
     phi_k = kernel.key_features(k)
     outputs = []

@@ -8,6 +8,8 @@ are the last Lq positions); key_mask `[B, Lk]` bool (True = visible).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hf_softmax_rnn.ops.decay import decay_weights
@@ -44,7 +46,42 @@ def parallel_scores(
     kept: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
-    log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None).
+    log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None):
+    the sum of `parallel_parts`' exact and finite-state scores."""
+    parts = parallel_parts(q, k, key_mask, kernel, window, window_scale, linear_log_scale, sinks, log_decay, kept)
+    scores = parts.finite if parts.exact is None else parts.exact + parts.finite
+    return scores, parts.log_shift
+
+
+@dataclass
+class ParallelParts:
+    """The parallel form's scores `[B, Hkv, G, Lq, Lk]` in two parts: `exact` (a hybrid's window, sinks and
+    kept keys, exp(x - m_t); None without a window) and `finite` (the finite-state kernel's scores of the
+    keys that have entered the state, with their decay and the hybrid's mixing weight), with the per-row log
+    shift of exact exp (`[B, Hkv, G, Lq]`, or None) and, for a hybrid, the step at which each key enters
+    the finite state (`entry` `[B, Hkv, Lk]`; steps past Lk - 1 for keys still kept) and whether it ever
+    can (`enters` `[B, 1, Lk]`: visible, not a sink)."""
+
+    exact: torch.Tensor | None
+    finite: torch.Tensor
+    log_shift: torch.Tensor | None
+    entry: torch.Tensor
+    enters: torch.Tensor
+
+
+def parallel_parts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor,
+    kernel: ExpKernel | FeatureKernel,
+    window: int | None = None,
+    window_scale: float | None = None,
+    linear_log_scale: torch.Tensor | None = None,
+    sinks: int | None = None,
+    log_decay: torch.Tensor | None = None,
+    kept: int | None = None,
+) -> ParallelParts:
+    """The parallel form's scores by part (`ParallelParts`).
 
     With a `window`, the last `window` positions are scored with exp(`window_scale` q.k) and
     older ones with the kernel times e^{linear_log_scale}, both divided by e^{m_t} (m_t the
@@ -56,16 +93,18 @@ def parallel_scores(
     key entered the state (`ops.decay.decay_weights`).
     """
     visible = visible_mask(key_mask, q.shape[-2])
+    key_len = k.shape[-2]
+    positions = torch.arange(key_len, device=k.device).expand(*k.shape[:2], key_len)
     if window is None:
         scores, log_shift = kernel.masked_scores(q, k, visible)
         if log_decay is not None:
             scores = scores * decay_weights(log_decay, q.shape[-2], 0)
-        return scores, log_shift
-    near = visible & window_visibility(q.shape[-2], k.shape[-2], window, q.device)
+        return ParallelParts(None, scores, log_shift, positions, key_mask[:, None])
+    near = visible & window_visibility(q.shape[-2], key_len, window, q.device)
     sink = torch.zeros_like(key_mask) if sinks is None else sink_mask(key_mask, sinks)
     near = near | (visible & sink[:, None, None, None, :])
     x = grouped_matmul(q * window_scale, k.mT)
-    entry = None
+    entry = positions + window
     if kept is not None:
         in_window = near & ~sink[:, None, None, None, :]
         probabilities = torch.softmax(x.masked_fill(~in_window, float("-inf")), -1).nan_to_num(0.0)
@@ -77,5 +116,6 @@ def parallel_scores(
     row_max = row_shift(x)
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
     if log_decay is not None:
-        older = older * decay_weights(log_decay, q.shape[-2], window, entry)
-    return torch.exp(x - row_max) + older * mix_weight(linear_log_scale, row_max, k.shape[1]), None
+        older = older * decay_weights(log_decay, q.shape[-2], window, None if kept is None else entry)
+    finite = older * mix_weight(linear_log_scale, row_max, k.shape[1])
+    return ParallelParts(torch.exp(x - row_max), finite, None, entry, (key_mask & ~sink)[:, None])

@@ -48,6 +48,7 @@ def window_hybrid_step(
     linear_log_scale: torch.Tensor,
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
+    delta_strength: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """The augmented numerator `[B, Hkv, G, 1, Dv + 1]` of one position and the state after it (its
     `t` and `made_by` are left to the caller).
@@ -58,7 +59,8 @@ def window_hybrid_step(
             has them). kernel: the finite-state kernel. spec: a spec with a window.
         scale: multiplier of q.k in the exact part. linear_log_scale: `[H]` log weight of the
             finite-state part.
-        in_place, log_decay: as `ops.linear.recurrent_linear_attention` takes them (`[B, Hkv, 1]`).
+        in_place, log_decay, delta_strength: as `ops.linear.recurrent_linear_attention` takes them
+            (`[B, Hkv, 1]`).
     """
     dtype, window, kv_heads = q.dtype, spec.window, k.shape[1]
     slot = ring_start(state)[:, None]  # [B, 1]: the leaving (oldest) position's slot, the new one's
@@ -128,7 +130,7 @@ def window_hybrid_step(
         entered = write_slots(window_scores, 2, score_rows, 0.0, in_place)  # the new key has no saliency yet
         fields["window_scores"] = torch.maximum(entered, _saliency(x[..., :window].detach(), key_mask))
     linear, fields["packed"] = recurrent_linear_attention(
-        q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay
+        q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay, delta_strength
     )
     return numerator + linear * mix_weight(linear_log_scale, row_max, kv_heads), dataclasses.replace(state, **fields)
 

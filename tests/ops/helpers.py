@@ -60,6 +60,19 @@ EXTRA_FINITE_SPECS = {
     "kept3_decay_window2_sinks1_taylor2_gates": AttentionSpec(
         kind="recurrent_softmax", taylor_order=2, window=2, sinks=1, kept=3, decay=True, output_gate=True
     ),
+    "delta_elu_l2": AttentionSpec(kind="linear", feature_map="elu", normalizer="l2", delta_rule=True),
+    "delta_decay_taylor2_layer": AttentionSpec(
+        kind="recurrent_softmax", taylor_order=2, normalizer="layer", decay=True, delta_rule=True
+    ),
+    "delta_window3_hedgehog": AttentionSpec(
+        kind="linear", feature_map="hedgehog", hedgehog_dim=5, window=3, delta_rule=True
+    ),
+    "delta_decay_window2_sinks2_elu_gates": AttentionSpec(
+        kind="linear", feature_map="elu", window=2, sinks=2, decay=True, delta_rule=True, output_gate=True
+    ),
+    "delta_kept2_decay_window3_sinks1_hedgehog": AttentionSpec(
+        kind="linear", feature_map="hedgehog", hedgehog_dim=5, window=3, sinks=1, kept=2, decay=True, delta_rule=True
+    ),
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}
@@ -82,6 +95,7 @@ def make_inputs(batch=2, heads=4, kv_heads=2, length=11, head_dim=8, dtype=torch
     )
     gate_logits = {"input": randn(batch, kv_heads, length), "output": randn(batch, heads, length)}
     gate_logits["decay"] = randn(batch, kv_heads, length)
+    gate_logits["delta"] = randn(batch, kv_heads, length)
     return q, k, v, gate_logits
 
 
@@ -119,10 +133,13 @@ def left_padding_mask(batch: int, length: int, pads: list[int]) -> torch.Tensor:
 
 
 def gated(spec: AttentionSpec, v: torch.Tensor, gate_logits: dict) -> tuple[torch.Tensor, dict]:
-    """(values with the input gate applied as the layers do, {"output": gate, "decay": log-decays}) for `spec`."""
+    """(values with the input gate applied as the layers do, {"output": gate, "decay": log-decays, "delta": write
+    strengths}) for `spec`."""
     if spec.input_gate:
         v = v * torch.sigmoid(gate_logits["input"]).unsqueeze(-1)
     gates = {"output": torch.sigmoid(gate_logits["output"])} if spec.output_gate else {}
     if spec.decay:
         gates["decay"] = torch.nn.functional.logsigmoid(gate_logits["decay"])
+    if spec.delta_rule:
+        gates["delta"] = torch.sigmoid(gate_logits["delta"])
     return v, gates

@@ -19,8 +19,9 @@ from .kernel_stand_ins import WrittenBytes, saved_bytes, use_stand_ins
 FLA_SPECS = sorted(
     name
     for name, spec in FINITE_SPECS.items()
-    if spec.feature_dim(8) <= backends.FLA_MAX_FEATURES and spec.score_clamp is None
+    if spec.feature_dim(8) <= backends.FLA_MAX_FEATURES and spec.score_clamp is None and not spec.delta_rule
 )
+DELTA_SPECS = sorted(name for name, spec in FINITE_SPECS.items() if spec.delta_rule)
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
@@ -36,6 +37,28 @@ def reference_fla(monkeypatch):
     monkeypatch.setattr(backends, "FUSED_DTYPES", (*backends.FUSED_DTYPES, torch.float64))  # the float64 statement
     monkeypatch.setattr(backends, "fla_chunk_function", lambda: counted)
     return calls
+
+
+@pytest.mark.parametrize("name", DELTA_SPECS)
+def test_a_delta_rule_state_runs_the_pytorch_form_where_fla_would_run(name, reference_fla, caplog):
+    """fla's additive kernel cannot carry a delta rule: the call runs the PyTorch form, says so once, and gives
+    the result with the fused kernels off."""
+    spec = FINITE_SPECS[name]
+    q, k, v, gate_logits = make_inputs(length=13)
+    gated_v, gates = gated(spec, v, gate_logits)
+    call = dict(mode="chunked", attention_mask=left_padding_mask(2, 13, [0, 3]), gates=gates)
+    call["params"] = as_params(make_params(spec))
+    backends._warn_no_kernel.cache_clear()
+    with backends.fused_kernels(True), caplog.at_level("WARNING", logger=backends.logger.name):
+        fused, _ = attention(q, k, gated_v, spec, **call)
+        attention(q, k, gated_v, spec, **call)
+    assert reference_fla == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "the delta rule has no fused kernel in hf_softmax_rnn: it runs the PyTorch form on the GPU"
+    ]
+    with backends.fused_kernels(False):
+        plain, _ = attention(q, k, gated_v, spec, **call)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("segment", [0, 3], ids=["whole_rows", "segments_of_3"])

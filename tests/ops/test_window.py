@@ -19,7 +19,7 @@ from hf_softmax_rnn.ops import attention
 from hf_softmax_rnn.ops.softmax import softmax_attention_reference
 from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, mix_weight
 
-from .helpers import as_params, left_padding_mask, make_inputs, make_params, quiet_preset
+from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params, quiet_preset
 from .kernel_stand_ins import AllocatedBytes
 
 
@@ -370,3 +370,27 @@ def test_only_a_call_that_fits_and_asks_for_no_state_skips_the_finite_state(monk
     call(1, "recurrent", state=state, return_state=False)
     assert calls == ["parallel_scores", "_finite_state", "_finite_state", "_finite_state"]
     assert int(state.t[0]) == spec.exact_positions
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "taylor_2_window_64",
+        "hedgehog_window_64",
+        "hedgehog_window_64_sinks_4_decay",
+        "hedgehog_window_64_sinks_4_delta",
+    ],
+)
+def test_parallel_queries_over_more_keys_are_the_last_rows_of_the_full_call(preset):
+    """3 queries over 40 keys (window 8): the keys older than the window reach the finite state even though the
+    queries alone fit in the exact part (they were once scored as softmax over all 40 keys)."""
+    spec = quiet_preset(preset, window=8)
+    q, k, v, gate_logits = make_inputs(length=40)
+    params = as_params(make_params(spec))
+    mask = left_padding_mask(2, 40, [0, 5])
+    gated_v, gates = gated(spec, v, gate_logits)
+    full, _ = attention(q, k, gated_v, spec, attention_mask=mask, gates=gates, params=params)
+    last, _ = attention(q[..., -3:, :], k, gated_v, spec, attention_mask=mask, gates=gates, params=params)
+    torch.testing.assert_close(last, full[..., -3:, :], rtol=1e-9, atol=1e-10)
+    softmax, _ = attention(q[..., -3:, :], k, gated_v, "softmax", attention_mask=mask)
+    assert (last - softmax).abs().max() > 1e-3
