@@ -68,6 +68,40 @@ def decay_bias(half_lives: torch.Tensor) -> torch.Tensor:
     return -torch.log(torch.expm1(math.log(2.0) / half_lives.double())).float()
 
 
+class RNNProjection(nn.Linear):
+    """A `Linear(hidden, heads)` of `RNNParams` that initialises itself (here, in `convert` and in a model's
+    `_init_weights`): weight 0, so that it does not yet depend on the token, and the bias `initial_bias()`."""
+
+    def initial_bias(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.zeros_(self.weight)
+        init.copy_(self.bias, self.initial_bias().to(self.bias))
+
+
+class GateProjection(RNNProjection):
+    """An input or output gate's logits: bias `GATE_BIAS_INIT`."""
+
+    def initial_bias(self) -> torch.Tensor:
+        return torch.full((self.out_features,), GATE_BIAS_INIT)
+
+
+class DecayProjection(RNNProjection):
+    """The decay's logits: one constant half-life per KV head (`decay_half_lives`)."""
+
+    def initial_bias(self) -> torch.Tensor:
+        return decay_bias(decay_half_lives(self.out_features))
+
+
+class DeltaProjection(RNNProjection):
+    """The delta rule's write-strength logits: bias `DELTA_BIAS_INIT`."""
+
+    def initial_bias(self) -> torch.Tensor:
+        return torch.full((self.out_features,), DELTA_BIAS_INIT)
+
+
 #: Initial logit p_h of the seqlen_pow normaliser (values divided by t^sigmoid(p_h)).
 SEQLEN_POWER_INIT = 0.5
 
@@ -109,10 +143,10 @@ class RNNParams(nn.Module):
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
         super().__init__()
-        self.input_gate = nn.Linear(hidden_size, num_kv_heads) if spec.input_gate else None
-        self.output_gate = nn.Linear(hidden_size, num_heads) if spec.output_gate else None
-        self.decay_proj = nn.Linear(hidden_size, num_kv_heads) if spec.decay else None
-        self.delta_proj = nn.Linear(hidden_size, num_kv_heads) if spec.delta_rule else None
+        self.input_gate = GateProjection(hidden_size, num_kv_heads) if spec.input_gate else None
+        self.output_gate = GateProjection(hidden_size, num_heads) if spec.output_gate else None
+        self.decay_proj = DecayProjection(hidden_size, num_kv_heads) if spec.decay else None
+        self.delta_proj = DeltaProjection(hidden_size, num_kv_heads) if spec.delta_rule else None
         sizes = {"H": num_heads, "Dv": head_dim}
         self._tensor_names: list[str] = []
         for name, shape in _NORMALIZER_PARAMS.get(spec.normalizer, {}).items():
@@ -130,17 +164,9 @@ class RNNParams(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for gate in (self.input_gate, self.output_gate):
-            if gate is not None:
-                init.zeros_(gate.weight)
-                init.constant_(gate.bias, GATE_BIAS_INIT)
-        if self.decay_proj is not None:
-            init.zeros_(self.decay_proj.weight)
-            bias = decay_bias(decay_half_lives(self.decay_proj.out_features))
-            init.copy_(self.decay_proj.bias, bias.to(self.decay_proj.bias))
-        if self.delta_proj is not None:
-            init.zeros_(self.delta_proj.weight)
-            init.constant_(self.delta_proj.bias, DELTA_BIAS_INIT)
+        for projection in (self.input_gate, self.output_gate, self.decay_proj, self.delta_proj):
+            if projection is not None:
+                projection.reset_parameters()
         for name in self._tensor_names:
             tensor = getattr(self, name)
             if name.startswith("hedgehog"):

@@ -18,12 +18,12 @@ import logging
 import torch
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, create_causal_mask
-from transformers.modeling_utils import AttentionInterface
+from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 from transformers.utils import import_utils
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from hf_softmax_rnn.hub import RemoteCodeMixin
-from hf_softmax_rnn.layers.attention import RNNParams
+from hf_softmax_rnn.layers.attention import RNNParams, RNNProjection
 from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
 from hf_softmax_rnn.ops.checks import check_padding_mask
 
@@ -232,6 +232,9 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
             attention = getattr(block, name, None) if isinstance(block, block_class) else None
             if attention is not None and not isinstance(attention, attention_class):
                 setattr(block, name, attention_class(self.config, attention.layer_idx))
+        for module in self.modules():  # the stock base model inside (`LlamaModel`, `GPT2Model`) initialises as we do
+            if isinstance(module, PreTrainedModel) and not isinstance(module, SoftmaxRNNPreTrainedMixin):
+                module._init_weights = self._init_weights
         super().post_init()
         if not getattr(self, "_refuses_attention_weights", False):
             self._forward_argument_names = tuple(inspect.signature(self.forward).parameters)
@@ -303,6 +306,12 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
         return RECURRENT_LAYER_TYPE in self.config.layer_types
 
     def _init_weights(self, module: torch.nn.Module) -> None:
+        """transformers' initialisation, except for `RNNParams` and its projections (`RNNProjection`), which
+        initialise themselves (the standard init would give a projection normal weights and a zero bias: gates at
+        0.5, a decay with a half-life of one position). The base model inside uses this method too (`post_init`)."""
+        if isinstance(module, RNNProjection):
+            module.reset_parameters()
+            return
         super()._init_weights(module)
         if isinstance(module, RNNParams):
             module.reset_parameters()

@@ -1,0 +1,75 @@
+"""The learned tensors a spec adds start where `RNNParams` says, however the model is made: converted, built from
+its config, or loaded from a checkpoint that lacks them."""
+
+import math
+
+import pytest
+import torch
+
+from hf_softmax_rnn import AttentionSpec, convert
+from hf_softmax_rnn.analysis.small_models import small_llama
+from hf_softmax_rnn.layers import RNNParams
+from hf_softmax_rnn.layers.attention import DELTA_BIAS_INIT, GATE_BIAS_INIT, decay_half_lives
+from hf_softmax_rnn.models import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM
+
+from .helpers import tiny_source
+
+#: Every projection and tensor `RNNParams` has: gates, decay, delta rule, hedgehog maps, a window's mixing weight.
+SPEC = AttentionSpec(
+    kind="linear",
+    feature_map="hedgehog",
+    window=4,
+    sinks=1,
+    decay=True,
+    delta_rule=True,
+    input_gate=True,
+    output_gate=True,
+)
+CLASSES = {"llama": SoftmaxRNNLlamaForCausalLM, "gpt2": SoftmaxRNNGPT2LMHeadModel}
+
+
+def assert_initial(model):
+    modules = [module for module in model.modules() if isinstance(module, RNNParams)]
+    assert modules
+    for params in modules:
+        for gate in (params.input_gate, params.output_gate):
+            assert torch.equal(gate.weight, torch.zeros_like(gate.weight))
+            assert torch.equal(gate.bias, torch.full_like(gate.bias, GATE_BIAS_INIT))
+        assert torch.equal(params.decay_proj.weight, torch.zeros_like(params.decay_proj.weight))
+        half_lives = decay_half_lives(params.decay_proj.out_features).double()
+        torch.testing.assert_close(torch.sigmoid(params.decay_proj.bias.double()), 2.0 ** (-1.0 / half_lives))
+        assert math.isclose(half_lives[0].item(), 512.0) and math.isclose(half_lives[-1].item(), 16384.0)
+        assert torch.equal(params.delta_proj.weight, torch.zeros_like(params.delta_proj.weight))
+        assert torch.equal(params.delta_proj.bias, torch.full_like(params.delta_proj.bias, DELTA_BIAS_INIT))
+        for maps in (params.hedgehog_q, params.hedgehog_k):
+            assert torch.equal(maps, torch.eye(maps.shape[1], maps.shape[2]).expand_as(maps))
+        assert torch.equal(params.linear_log_scale, torch.zeros_like(params.linear_log_scale))
+
+
+def test_a_converted_model_starts_at_the_initial_values(family):
+    assert_initial(convert(tiny_source(family), SPEC))
+
+
+def test_a_model_built_from_its_config_starts_at_the_initial_values(family):
+    """transformers' own init of the base model inside (`LlamaModel`, `GPT2Model`) once gave these projections
+    normal weights and a zero bias: gates at 0.5 and a decay that halves the state at every position."""
+    config = convert(tiny_source(family), SPEC).config
+    assert_initial(CLASSES[family](config))
+
+
+def test_a_checkpoint_without_them_loads_them_at_the_initial_values(family, tmp_path):
+    """A stock checkpoint loaded into a softmax_rnn class: the tensors it lacks once held uninitialised memory."""
+    source = tiny_source(family)
+    source.save_pretrained(tmp_path)
+    loaded = CLASSES[family].from_pretrained(tmp_path, attention=SPEC.to_dict())
+    assert_initial(loaded)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("preset", ["softmax_gate", "gated_deltanet"])
+def test_a_small_model_from_scratch_trains_with_open_gates(preset):
+    model = small_llama(preset, vocab_size=32, hidden_size=16, num_layers=1, num_heads=2)
+    params = model.model.layers[0].self_attn.rnn_params
+    projection = params.output_gate if preset == "softmax_gate" else params.decay_proj
+    assert torch.all(torch.sigmoid(projection.bias) > 0.99)
