@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +65,10 @@ def taylor_feature_dim(head_dim: int, order: int) -> int:
     return math.comb(head_dim + order, order)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionSpec:
-    """The attention variant of one layer.
+    """The attention variant of one layer: validated once, at construction, and frozen (a changed copy is
+    `dataclasses.replace(spec, window=8)`, which validates it).
 
     Fields:
         kind: "softmax" (exact softmax, SDPA), "recurrent_softmax" (exp(q.k) or its Taylor
@@ -421,6 +423,8 @@ class AttentionSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttentionSpec:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"AttentionSpec.from_dict takes a dict of spec fields; got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -636,6 +640,16 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "
         "linear attention over the rest with a data-dependent decay of its state, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=256, sinks=4, kept=256, decay=True),
+    ),
+    "linear_identity_rms": (
+        "linear attention with identity features and RMSNorm in place of the denominator (deltanet's additive "
+        "counterpart)",
+        dict(kind="linear", feature_map="identity", normalizer="rms"),
+    ),
+    "linear_identity_rms_decay": (
+        "linear attention with identity features, a data-dependent decay and RMSNorm in place of the denominator "
+        "(gated_deltanet's additive counterpart)",
+        dict(kind="linear", feature_map="identity", normalizer="rms", decay=True),
     ),
     "deltanet": (
         "linear attention with a delta-rule state (DeltaNet): identity features, RMSNorm in place of the denominator",

@@ -1,5 +1,6 @@
 """AttentionSpec: presets, dict round trip and validation messages."""
 
+import dataclasses
 import math
 import warnings
 
@@ -188,3 +189,24 @@ def test_decay_preset_describes_itself():
     assert spec.decay and "data-dependent decay of the state" in spec.describe()
     assert spec.state_bytes(64) == AttentionSpec.from_preset("hedgehog_window_64_sinks_4").state_bytes(64)
     assert "data-dependent decay" in AttentionSpec(kind="linear", feature_map="elu", decay=True).describe()
+
+
+def test_a_spec_is_frozen_and_a_changed_copy_is_validated():
+    """Assigning to a field once ran unchecked (`window = -5`, `feature_map = "gelu"` failing deep in the ops)."""
+    spec = AttentionSpec.from_preset("hedgehog_window_64")
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'window'"):
+        spec.window = -5
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'feature_map'"):
+        spec.feature_map = "gelu"
+    assert spec.window == 64 and spec.feature_map == "hedgehog"
+    with pytest.raises(ValueError, match=r"AttentionSpec.window=-5 is not allowed; expected None or an int >= 1"):
+        dataclasses.replace(spec, window=-5)
+    assert dataclasses.replace(spec, window=8).window == 8
+
+
+@pytest.mark.parametrize("data", [None, ["kind", "linear"], "linear_elu"], ids=["none", "list", "string"])
+def test_from_dict_refuses_what_is_not_a_dict(data):
+    with pytest.raises(
+        TypeError, match=f"AttentionSpec.from_dict takes a dict of spec fields; got {type(data).__name__}"
+    ):
+        AttentionSpec.from_dict(data)

@@ -10,7 +10,7 @@ import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
-from hf_softmax_rnn.ops.checks import check_arguments, check_inputs, check_state
+from hf_softmax_rnn.ops.checks import INPUT_DTYPES, check_arguments, check_inputs, check_state
 from hf_softmax_rnn.ops.delta import parallel_delta_values
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
@@ -27,8 +27,6 @@ from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_wei
 from hf_softmax_rnn.ops.window_step import window_hybrid_step, window_in_order
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-#: The dtypes `attention` returns (`io_dtype`).
-_IO_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _autocast_dtype(q, k, v) -> torch.dtype | None:
@@ -131,8 +129,10 @@ def attention(
     check_arguments(gates, params, scale, max_state_bytes)
     gates, params = gates or {}, params or AttentionParams()
     check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
-    if io_dtype is not None and io_dtype not in _IO_DTYPES:
-        raise ValueError(f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(_IO_DTYPES)}")
+    if io_dtype is not None and io_dtype not in INPUT_DTYPES:
+        raise ValueError(
+            f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(INPUT_DTYPES)}"
+        )
     input_dtype = q.dtype  # (k's and v's too)
     out_dtype = input_dtype if io_dtype is None else io_dtype
     if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):

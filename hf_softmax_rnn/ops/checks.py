@@ -13,6 +13,9 @@ from hf_softmax_rnn.attention_spec import MODES, AttentionSpec
 from hf_softmax_rnn.ops.kernels import AttentionParams
 from hf_softmax_rnn.ops.recurrent_state import RecurrentState
 
+#: The dtypes q, k and v may have (and the dtypes `attention` returns).
+INPUT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
 
 def check_padding_mask(attention_mask, name: str = "attention_mask") -> None:
     """A padding mask is a tensor of bools or of exactly 0 and 1 (1 = token); any other value raises,
@@ -36,10 +39,10 @@ def _check_tensors(q, k, v) -> None:
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor; got {type(tensor).__name__}")
-        if not tensor.is_floating_point():
+        if tensor.dtype not in INPUT_DTYPES:
             raise TypeError(
-                f"attention: {name} has dtype {tensor.dtype}; expected a real floating dtype "
-                "(float32, float64, bfloat16, float16)"
+                f"attention: {name} has dtype {tensor.dtype}; expected one of "
+                f"{[str(dtype).removeprefix('torch.') for dtype in INPUT_DTYPES]}"
             )
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"attention: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
@@ -58,10 +61,10 @@ def _check_shapes(q, k, v) -> None:
         )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention got mismatched shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[1] < 1 or k.shape[1] < 1 or q.shape[-1] < 1:
+    if q.shape[0] < 1 or q.shape[1] < 1 or k.shape[1] < 1 or q.shape[-1] < 1:
         raise ValueError(
-            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} have {q.shape[1]} query heads, {k.shape[1]} "
-            f"key/value heads and head_dim {q.shape[-1]}; expected at least 1 of each"
+            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} have {q.shape[0]} sequences, {q.shape[1]} query "
+            f"heads, {k.shape[1]} key/value heads and head_dim {q.shape[-1]}; expected at least 1 of each"
         )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
@@ -127,6 +130,21 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
+    if spec.effective_feature_map == "hedgehog":
+        _check_hedgehog_maps(params, q, k, spec)
+
+
+def _check_hedgehog_maps(params, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:
+    """The hedgehog maps, when given, are one [D, F] map per query head and per KV head for this head size."""
+    width = spec.hedgehog_dim or q.shape[-1]
+    for name, heads in (("hedgehog_q", q.shape[1]), ("hedgehog_k", k.shape[1])):
+        maps = getattr(params, name)
+        expected = (heads, q.shape[-1], width)
+        if maps is not None and tuple(maps.shape) != expected:
+            raise ValueError(
+                f"attention: params.{name} has shape {tuple(maps.shape)}; expected {list(expected)} (heads, head_dim, "
+                "hedgehog_dim) for these inputs"
+            )
 
 
 def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import RecurrentState, attention
+from hf_softmax_rnn.ops.kernels import AttentionParams
 
 from .helpers import make_inputs
 
@@ -111,13 +112,27 @@ def _modified(name):
         "float32_q_float64_kv": dict(q=q.float()),
         "bfloat16_v_float32_qk": dict(q=q.float(), k=k.float(), v=v.bfloat16()),
         "float16_k": dict(k=k.half()),
+        "float8_tensors": dict(q=q.to(torch.float8_e4m3fn), k=k.to(torch.float8_e4m3fn), v=v.to(torch.float8_e4m3fn)),
+        "no_sequences_chunked": dict(q=q[:0], k=k[:0], v=v[:0], mode="chunked"),
+        "hedgehog_maps_of_another_head_size": dict(
+            spec=AttentionSpec.from_preset("linear_hedgehog"),
+            params=AttentionParams(hedgehog_q=torch.zeros(4, 16, 16), hedgehog_k=torch.zeros(2, 16, 16)),
+            mode="chunked",
+        ),
     }[name]
     return {**call, **bad}
 
 
 _BAD_ARGUMENTS = [
     ("numpy_q", TypeError, "q must be a torch.Tensor; got ndarray"),
-    ("int_tensors", TypeError, "q has dtype torch.int64; expected a real floating dtype"),
+    ("int_tensors", TypeError, r"q has dtype torch.int64; expected one of \['float64', 'float32', 'bfloat16'"),
+    ("float8_tensors", TypeError, r"q has dtype torch.float8_e4m3fn; expected one of \['float64'"),
+    ("no_sequences_chunked", ValueError, r"have 0 sequences, 4 query heads.*expected at least 1 of each"),
+    (
+        "hedgehog_maps_of_another_head_size",
+        ValueError,
+        r"params.hedgehog_q has shape \(4, 16, 16\); expected \[4, 8, 8\] \(heads, head_dim, hedgehog_dim\)",
+    ),
     ("complex_tensors", TypeError, "q has dtype torch.complex128"),
     ("fewer_keys_than_queries", ValueError, "got 2 keys for 4 queries"),
     ("spec_none", TypeError, "spec must be an AttentionSpec.*got None"),
@@ -132,7 +147,7 @@ _BAD_ARGUMENTS = [
     ("scale_string", ValueError, "scale='0.5' is not allowed"),
     ("head_dim_zero", ValueError, "head_dim 0; expected at least 1 of each"),
     ("kv_heads_zero", ValueError, "0 key/value heads and head_dim 8; expected at least 1 of each"),
-    ("query_heads_zero", ValueError, "have 0 query heads, 2 key/value heads"),
+    ("query_heads_zero", ValueError, "0 query heads, 2 key/value heads"),
     ("params_int", TypeError, "params must be None or an AttentionParams; got int"),
     ("params_dict", TypeError, "params must be None or an AttentionParams; got dict"),
     ("max_state_bytes_string", ValueError, "max_state_bytes='1e9' is not allowed; expected a number of bytes >= 0"),
