@@ -53,6 +53,10 @@ def score_formula(spec: AttentionSpec) -> str:
         kernel = f"exp(x) over the last {spec.window} positions, e^λ {kernel} beyond"
     if spec.kind == "linear":
         kernel += f" ({spec.feature_map} map)"
+    if spec.delta_rule:
+        kernel += "; gated delta-rule state" if spec.decay else "; delta-rule state"
+    elif spec.decay:
+        kernel += "; decayed state"
     return kernel
 
 

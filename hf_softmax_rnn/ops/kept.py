@@ -134,16 +134,19 @@ def select_kept(
 
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`; the query of step r sees the keys kept after key r left.
-        leaving_keys, leaving_values: `[B, Hkv, L, D]`, `[B, Hkv, L, Dv + 1]`: the key that leaves the
-            window at each step; leaving_scores `[B, Hkv, L]` its rank score; leaving_positions
-            `[B, L]` its visible rank (for ties); candidate `[B, L]` bool: it may be kept.
+        leaving_keys: `[B, Hkv, L, D]`: the key that leaves the window at each step.
+        leaving_values: `[B, Hkv, L, Dv + 1]`: its value.
+        leaving_scores: `[B, Hkv, L]`: its rank score.
+        leaving_positions: `[B, L]`: its visible rank (for ties).
+        candidate: `[B, L]` bool: it may be kept.
         buffers: (keys `[B, Hkv, K, D]`, values `[B, Hkv, K, Dv + 1]`, scores `[B, Hkv, K]`, positions
             `[B, Hkv, K]` long, valid `[B, Hkv, K]` bool) kept before the call.
-        scale: multiplier of q.k; block: steps per block C.
-        held_before: at most this many keys are kept before the call (0 from an empty state; None: K);
-            first_candidate: no leaving key before this step is a candidate (W from an empty state: the
-            first W leaving keys are its empty window buffer). Bounds only: a block then scores about as
-            many slots as it can hold at most (`_slot_groups`), instead of K.
+        scale: multiplier of q.k.
+        block: steps per block C.
+        held_before: at most this many keys are kept before the call (0 from an empty state; None: K).
+        first_candidate: no leaving key before this step is a candidate (W from an empty state: the
+            first W leaving keys are its empty window buffer). Both are bounds only: a block then scores
+            about as many slots as it can hold at most (`_slot_groups`), instead of K.
     """
     batch, kv_heads, length = q.shape[0], q.shape[1], q.shape[3]
     kept = buffers[0].shape[2]
