@@ -1,4 +1,5 @@
-"""Turn a pretrained Llama or GPT-2 into the matching softmax_rnn model with the same weights."""
+"""Turn a pretrained Llama, GPT-2 or model of a family of Llama's pattern (Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Mixtral: `LLAMA_LIKE_FAMILIES`) into the matching softmax_rnn model with the same weights."""
 
 from __future__ import annotations
 
@@ -9,16 +10,27 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers import initialization as init
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.models import (
+    LLAMA_LIKE_CONFIGS,
+    LLAMA_LIKE_FAMILIES,
+    LLAMA_LIKE_MODELS,
     SoftmaxRNNGPT2Config,
     SoftmaxRNNGPT2LMHeadModel,
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
+from hf_softmax_rnn.models.llama_like import declares, sliding_window_layers
 from hf_softmax_rnn.models.modeling_softmax_rnn import SoftmaxRNNPreTrainedMixin
 
 logger = logging.getLogger(__name__)
@@ -27,9 +39,20 @@ logger = logging.getLogger(__name__)
 FAMILIES: dict[type[PreTrainedModel], tuple[type, type[PreTrainedModel]]] = {
     LlamaForCausalLM: (SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM),
     GPT2LMHeadModel: (SoftmaxRNNGPT2Config, SoftmaxRNNGPT2LMHeadModel),
+    **{
+        family.causal_lm: (LLAMA_LIKE_CONFIGS[family.name], LLAMA_LIKE_MODELS[family.name][1])
+        for family in LLAMA_LIKE_FAMILIES
+    },
 }
-# Config entries that belong to the source class, not to the converted one.
-_DROPPED_CONFIG_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
+# Config entries that belong to the source class, not to the converted one (whose layer types follow its specs).
+_DROPPED_CONFIG_KEYS = (
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "auto_map",
+    "_name_or_path",
+    "layer_types",
+)
 
 
 def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
@@ -49,13 +72,36 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
 
 def check_convertible(config: PreTrainedConfig) -> None:
     """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
-    naming its `model_type` and the types `convert` takes."""
+    naming its `model_type` and the types `convert` takes; ValueError for a model of such a type whose
+    attention the converted model cannot reproduce (cross-attention, bidirectional attention, a sliding
+    window), naming the setting."""
     model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
     if config.model_type not in model_types:
         raise TypeError(
             f"convert() takes a model of type {sorted(model_types)} ({', '.join(model_types.values())}); got "
             f"model_type {config.model_type!r} ({', '.join(config.architectures or []) or 'no architectures'})"
         )
+    for setting, refused in (("add_cross_attention", True), ("is_encoder_decoder", True), ("is_causal", False)):
+        if getattr(config, setting, not refused) == refused:
+            raise ValueError(
+                f"convert() takes causal self-attention only; this {config.model_type} model has {setting}={refused}"
+            )
+    if config.model_type in {family.config_class.model_type for family in LLAMA_LIKE_FAMILIES}:
+        sliding = sliding_window_layers(config)
+        if sliding:
+            num_layers = config.num_hidden_layers
+            full_attention = (
+                f"layer_types=['full_attention'] * {num_layers}"
+                if declares(type(config), "layer_types")
+                else "sliding_window=None"
+            )
+            raise ValueError(
+                f"convert() cannot keep the sliding window of this {config.model_type} model: layers "
+                f"{'all' if len(sliding) == num_layers else sliding} attend to the last sliding_window="
+                f"{config.sliding_window} positions only, softmax_rnn layers to every earlier position (the "
+                "converted model would differ on longer sequences); to convert it anyway, as full attention, "
+                f"load it with {full_attention}"
+            )
 
 
 def converted_model_type(config: PreTrainedConfig) -> str:
@@ -128,7 +174,8 @@ def convert(
     layer_attention: Mapping[int, AttentionSpec | dict | str] | None = None,
     **from_pretrained_kwargs,
 ) -> PreTrainedModel:
-    """A softmax_rnn copy of a pretrained `LlamaForCausalLM` / `GPT2LMHeadModel`.
+    """A softmax_rnn copy of a pretrained `LlamaForCausalLM` / `GPT2LMHeadModel` / causal LM of a family of
+    Llama's pattern (`MistralForCausalLM`, `Qwen2ForCausalLM`, ...: `LLAMA_LIKE_FAMILIES`).
 
     Args:
         model_or_path: the model, or a local directory / Hub id that
@@ -144,7 +191,8 @@ def convert(
         **from_pretrained_kwargs: passed to `from_pretrained` when loading from a path (dtype, ...).
 
     Returns:
-        `SoftmaxRNNLlamaForCausalLM` / `SoftmaxRNNGPT2LMHeadModel` with the same config (plus
+        `SoftmaxRNNLlamaForCausalLM` / `SoftmaxRNNGPT2LMHeadModel` / `SoftmaxRNN<Family>ForCausalLM`
+        (model_type "softmax_rnn_<family>") with the same config (plus
         the attention fields), generation config, dtype, device and train/eval mode, and a
         copy of every weight (loaded strictly: each original parameter must find its place).
 
@@ -158,10 +206,15 @@ def convert(
     spec = AttentionSpec.coerce(spec_or_preset)
     source = model_or_path
     if isinstance(source, (str, os.PathLike)):
-        source = AutoModelForCausalLM.from_pretrained(_existing_folder_or_hub_id(source), **from_pretrained_kwargs)
+        name = _existing_folder_or_hub_id(source)
+        check_convertible(AutoConfig.from_pretrained(name, **from_pretrained_kwargs))
+        source = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     config_class, model_class = _family(source)
+    check_convertible(source.config)
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
+    if fields.get("sliding_window") is not None:  # set, but no layer slides (check_convertible)
+        fields["sliding_window"] = None
     config = config_class(
         **fields,
         attention=spec,

@@ -10,10 +10,21 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
 from hf_softmax_rnn.hub import flat_names, needed_modules
+from hf_softmax_rnn.models import LLAMA_LIKE_MODELS
 
 from .models.helpers import LLAMA_SHAPE
 
@@ -25,14 +36,25 @@ SOURCES = {
     "gpt2": lambda: GPT2LMHeadModel(
         GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=1, eos_token_id=2)
     ),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA_SHAPE, head_dim=8, pad_token_id=0)),
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(**LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    ),
 }
+#: The flat modeling and configuration files a family's checkpoint names: `<kind>_softmax_rnn_<stem>.py`.
+FLAT_STEMS = {"llama": "llama", "gpt2": "gpt2", "qwen3": "llama_like", "mixtral": "llama_like"}
+SAVED_CLASSES = (
+    SoftmaxRNNGPT2LMHeadModel,
+    SoftmaxRNNLlamaForCausalLM,
+    *(model_class for classes in LLAMA_LIKE_MODELS.values() for model_class in classes),
+)
 
 
 @pytest.fixture(autouse=True)
 def _unregister_auto_class():
     """`register_for_auto_class` sets a class attribute; undo it so other tests save plain checkpoints."""
     yield
-    for model_class in (SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM):
+    for model_class in SAVED_CLASSES:
         model_class._auto_class = None
 
 
@@ -89,8 +111,8 @@ def test_saved_models_load_with_remote_code_where_the_package_is_absent(tmp_path
         checkpoint = tmp_path / family
         config = json.loads((checkpoint / "config.json").read_text())
         assert config["auto_map"] == {
-            "AutoConfig": f"configuration_softmax_rnn_{family}.{type(model.config).__name__}",
-            "AutoModelForCausalLM": f"modeling_softmax_rnn_{family}.{type(model).__name__}",
+            "AutoConfig": f"configuration_softmax_rnn_{FLAT_STEMS[family]}.{type(model.config).__name__}",
+            "AutoModelForCausalLM": f"modeling_softmax_rnn_{FLAT_STEMS[family]}.{type(model).__name__}",
         }
         code = {path.name: path.read_text() for path in checkpoint.glob("*.py")}
         assert {
@@ -204,7 +226,7 @@ def test_needed_modules_follow_imports_transitively_including_inside_functions(f
 
 def resaved(directory, target):
     """Load a remote-code checkpoint with the package (no class registered, as in a fresh process) and save it again."""
-    for model_class in (SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM):
+    for model_class in SAVED_CLASSES:
         model_class._auto_class = None
     AutoModelForCausalLM.from_pretrained(directory).save_pretrained(target)
     return target

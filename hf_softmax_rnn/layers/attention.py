@@ -1,4 +1,4 @@
-"""Attention modules that compute any `AttentionSpec` inside Llama and GPT-2.
+"""Attention modules that compute any `AttentionSpec` inside Llama, GPT-2 and the families of Llama's pattern.
 
 `SoftmaxRNNAttentionMixin` is the shared core: it owns `rnn_params` (every learned
 tensor a spec adds: gates, norm weight/bias, hedgehog maps, seqlen power), calls
@@ -15,7 +15,8 @@ tensor a spec adds: gates, norm weight/bias, hedgehog maps, seqlen power), calls
 
 `SoftmaxRNNLlamaAttention` and `SoftmaxRNNGPT2Attention` subclass transformers' modules
 and keep their projections and parameter names (q_proj..o_proj, c_attn/c_proj), so
-pretrained weights and PEFT targets work unchanged.
+pretrained weights and PEFT targets work unchanged; `llama_like_attention_class` makes the
+same subclass of another family's attention module of Llama's pattern (Mistral, Qwen2, ...).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -353,8 +355,11 @@ def _warn_attention_dropout(module: nn.Module, probability: float) -> None:
         )
 
 
-class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
-    """`LlamaAttention` (same q/k/v/o projections and RoPE) computing `config.attention_spec(layer_idx)`."""
+class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
+    """The attention of Llama's pattern computing `config.attention_spec(layer_idx)`: put it first among the
+    bases of a transformers attention module with q_proj, k_proj, v_proj and o_proj, an optional RMSNorm per
+    head of the queries and keys before RoPE (`q_norm`, `k_norm`, as in Qwen3), and RoPE applied by
+    `apply_rotary_pos_emb(q, k, cos, sin)` (the function of the module's own modeling file)."""
 
     QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
@@ -385,15 +390,39 @@ class SoftmaxRNNLlamaAttention(SoftmaxRNNAttentionMixin, LlamaAttention):
         return self.o_proj(out), None
 
     def project_qkv(self, hidden_states: torch.Tensor, position_embeddings, frozen: bool = False):
-        """q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (RoPE applied), with the frozen teacher weights if `frozen`."""
+        """q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (q/k norms, then RoPE, applied), with the frozen teacher
+        weights if `frozen`."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (
-            self.projection(name, hidden_states, frozen).view(hidden_shape).transpose(1, 2)
-            for name in self.QKV_PROJECTIONS
+            self.projection(name, hidden_states, frozen).view(hidden_shape) for name in self.QKV_PROJECTIONS
         )
+        if getattr(self, "q_norm", None) is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
+
+    apply_rotary_pos_emb = staticmethod(apply_rotary_pos_emb)
+
+
+class SoftmaxRNNLlamaAttention(SoftmaxRNNLlamaLikeAttentionMixin, LlamaAttention):
+    """`LlamaAttention` (same q/k/v/o projections and RoPE) computing `config.attention_spec(layer_idx)`."""
+
+
+def llama_like_attention_class(attention_class: type[nn.Module], module: str) -> type[nn.Module]:
+    """`SoftmaxRNN<attention_class>`, defined in `module`: `attention_class` (a module of Llama's pattern, see
+    `SoftmaxRNNLlamaLikeAttentionMixin`) computing `config.attention_spec(layer_idx)`, with the RoPE function of
+    `attention_class`'s modeling file."""
+    name = f"SoftmaxRNN{attention_class.__name__}"
+    rotary = sys.modules[attention_class.__module__].apply_rotary_pos_emb
+    namespace = {
+        "__module__": module,
+        "__qualname__": name,
+        "__doc__": f"`{attention_class.__name__}` computing `config.attention_spec(layer_idx)`.",
+        "apply_rotary_pos_emb": staticmethod(rotary),
+    }
+    return type(name, (SoftmaxRNNLlamaLikeAttentionMixin, attention_class), namespace)
 
 
 class SoftmaxRNNGPT2Attention(SoftmaxRNNAttentionMixin, GPT2Attention):

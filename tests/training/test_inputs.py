@@ -7,7 +7,7 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
@@ -102,9 +102,15 @@ BEFORE_LOADING |= {
         "GPT2LMHeadModel has no rotary position embedding to rescale",
     ),
     "unsupported-model-type": (
+        dict(model="gpt_neox"),
+        UserInputError,
+        r"takes a model of type \['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\] .*; "
+        r"got model_type 'gpt_neox' \(GPTNeoXForCausalLM\)",
+    ),
+    "sliding-window": (
         dict(model="mistral"),
         UserInputError,
-        r"takes a model of type \['gpt2', 'llama'\] .*; got model_type 'mistral' \(MistralForCausalLM\)",
+        r"cannot keep the sliding window of this mistral model: layers all attend to the last sliding_window=4096",
     ),
 }
 
@@ -121,8 +127,11 @@ def test_settings_against_the_models_config_stop_before_its_weights_and_the_data
 
     monkeypatch.setattr(trainer_module, "resolve_model", loaded)
     monkeypatch.setattr(trainer_module, "load_corpus", loaded)
-    models = dict(tiny_models, mistral=str(tmp_path / "mistral"))
+    models = dict(tiny_models, mistral=str(tmp_path / "mistral"), gpt_neox=str(tmp_path / "gpt_neox"))
     MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, head_dim=8)).save_pretrained(models["mistral"])
+    GPTNeoXForCausalLM(
+        GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    ).save_pretrained(models["gpt_neox"])
     settings = dict(settings)
     config = tiny_config(models[settings.pop("model", "llama")], tmp_path / "out", **settings)
     with pytest.raises(error, match=message):

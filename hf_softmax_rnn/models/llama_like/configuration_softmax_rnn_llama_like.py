@@ -1,0 +1,81 @@
+"""Configurations of the families of Llama's pattern with the paper's attention (model_type
+"softmax_rnn_<family>": "softmax_rnn_mistral", "softmax_rnn_qwen2", ...), one class per line of
+`LLAMA_LIKE_FAMILIES`, made by `llama_like_config_class` and bound here by name
+(`SoftmaxRNNMistralConfig`, `SoftmaxRNNQwen2Config`, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.layers.cache import RECURRENT_LAYER_TYPE
+from hf_softmax_rnn.models.configuration_softmax_rnn import KV_LAYER_TYPE, SoftmaxRNNConfigMixin
+from hf_softmax_rnn.models.llama_like.families import LLAMA_LIKE_FAMILIES, LlamaLikeFamily, declares
+
+
+class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
+    """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: every layer
+    attends to every earlier position, so a sliding window is refused (`sliding_window` must be None, and
+    `layer_types` given to a family's config, Qwen2's or Qwen3's, may only name full attention)."""
+
+    @property
+    def layer_types(self) -> list[str]:
+        return SoftmaxRNNConfigMixin.layer_types.fget(self)
+
+    @layer_types.setter
+    def layer_types(self, value: list[str] | None) -> None:
+        """The family config's `layer_types` argument: accepted (and not stored: the layer types are derived
+        from the specs) when it names full attention only."""
+        others = sorted({kind for kind in value or () if kind not in (KV_LAYER_TYPE, RECURRENT_LAYER_TYPE)})
+        if others:
+            raise ValueError(
+                f"{self.model_type} has layer_types with {others}: its layers attend to every earlier position; "
+                f"expected None or only {KV_LAYER_TYPE!r} entries"
+            )
+
+    def validate_sliding_window(self) -> None:
+        """Part of `@strict` validation (after the family's `__post_init__`, which may clear the window)."""
+        window = getattr(self, "sliding_window", None)
+        if window is not None:
+            raise ValueError(
+                f"{self.model_type} has sliding_window={window}: its layers attend to every earlier position (an "
+                "AttentionSpec's window is that of a finite-state hybrid); expected sliding_window=None"
+            )
+
+
+def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
+    """`SoftmaxRNN<Family>Config`: the family's config plus the attention choice (`attention`,
+    `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window`
+    None by default."""
+
+    @strict
+    class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
+        model_type = family.model_type
+
+        attention: dict | str | AttentionSpec | None = None
+        layer_attention: dict | None = None
+        attention_mode: str = "parallel"
+        if declares(family.config_class, "sliding_window"):
+            sliding_window: int | None = None
+
+        def __post_init__(self, **kwargs: Any) -> None:
+            self.validate_attention()
+            super().__post_init__(**kwargs)
+
+    name = f"SoftmaxRNN{family.name}Config"
+    SoftmaxRNNLlamaLikeConfig.__name__ = SoftmaxRNNLlamaLikeConfig.__qualname__ = name
+    SoftmaxRNNLlamaLikeConfig.__doc__ = (
+        f"`{family.config_class.__name__}` plus the attention choice (model_type {family.model_type!r}); see "
+        "`SoftmaxRNNLlamaConfig` for `attention`, `layer_attention` and `attention_mode`."
+    )
+    return SoftmaxRNNLlamaLikeConfig
+
+
+#: Family name ("Mistral") -> its softmax_rnn config class.
+LLAMA_LIKE_CONFIGS = {family.name: llama_like_config_class(family) for family in LLAMA_LIKE_FAMILIES}
+globals().update({config_class.__name__: config_class for config_class in LLAMA_LIKE_CONFIGS.values()})
+
+__all__ = ["LLAMA_LIKE_CONFIGS", *(config_class.__name__ for config_class in LLAMA_LIKE_CONFIGS.values())]

@@ -1,0 +1,90 @@
+"""The decoder-only families whose attention follows Llama's pattern, one line each.
+
+A family fits when its attention module has q_proj, k_proj, v_proj and o_proj, applies RoPE with its
+modeling file's `apply_rotary_pos_emb` (after an optional RMSNorm per head of the queries and keys,
+`q_norm` / `k_norm`), is built as `Attention(config, layer_idx)` and sits at `self_attn` of its decoder
+layers; the rest of the model (MLP or mixture of experts, norms, embeddings) stays as it is. The
+softmax_rnn config, model and attention classes of each family are made from its line
+(`configuration_softmax_rnn_llama_like`, `modeling_softmax_rnn_llama_like`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.models.mistral.modeling_mistral import (
+    MistralAttention,
+    MistralDecoderLayer,
+    MistralForCausalLM,
+    MistralModel,
+)
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralAttention,
+    MixtralDecoderLayer,
+    MixtralForCausalLM,
+    MixtralModel,
+)
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeAttention,
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeModel,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaLikeFamily:
+    """The transformers classes of one family: its causal LM, base model, decoder layer and attention."""
+
+    causal_lm: type[PreTrainedModel]
+    base_model: type[PreTrainedModel]
+    decoder_layer: type[nn.Module]
+    attention: type[nn.Module]
+
+    @property
+    def name(self) -> str:
+        """The stem of the family's class names: "Mistral" for `MistralForCausalLM`."""
+        return self.causal_lm.__name__.removesuffix("ForCausalLM")
+
+    @property
+    def config_class(self) -> type[PreTrainedConfig]:
+        return self.causal_lm.config_class
+
+    @property
+    def model_type(self) -> str:
+        """The `model_type` of the converted family: "softmax_rnn_mistral"."""
+        return f"softmax_rnn_{self.config_class.model_type}"
+
+    @property
+    def has_layer_types(self) -> bool:
+        """Whether the family's config has `layer_types`, by which its base model looks up each layer's mask."""
+        return declares(self.config_class, "layer_types")
+
+
+LLAMA_LIKE_FAMILIES = (
+    LlamaLikeFamily(MistralForCausalLM, MistralModel, MistralDecoderLayer, MistralAttention),
+    LlamaLikeFamily(Qwen2ForCausalLM, Qwen2Model, Qwen2DecoderLayer, Qwen2Attention),
+    LlamaLikeFamily(Qwen3ForCausalLM, Qwen3Model, Qwen3DecoderLayer, Qwen3Attention),
+    LlamaLikeFamily(Qwen3MoeForCausalLM, Qwen3MoeModel, Qwen3MoeDecoderLayer, Qwen3MoeAttention),
+    LlamaLikeFamily(MixtralForCausalLM, MixtralModel, MixtralDecoderLayer, MixtralAttention),
+)
+
+
+def declares(config_class: type[PreTrainedConfig], name: str) -> bool:
+    """Whether `config_class` has a field `name`."""
+    return name in {field.name for field in dataclasses.fields(config_class)}
+
+
+def sliding_window_layers(config: PreTrainedConfig) -> list[int]:
+    """The layers in which a model of a family's `config` attends to only the last `config.sliding_window`
+    positions, when that is set: those whose `layer_types` entry is "sliding_attention" where the config has
+    `layer_types` (Qwen2, Qwen3), else every layer (Mistral, Mixtral, Qwen3-MoE)."""
+    if getattr(config, "sliding_window", None) is None:
+        return []
+    if declares(type(config), "layer_types"):
+        return [i for i, layer_type in enumerate(config.layer_types or ()) if layer_type == "sliding_attention"]
+    return list(range(config.num_hidden_layers))

@@ -1,0 +1,228 @@
+"""The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral): converted models against the
+unmodified transformers models they come from."""
+
+import copy
+import re
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BartConfig,
+    BertConfig,
+    GPT2Config,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from hf_softmax_rnn import AttentionSpec, convert
+from hf_softmax_rnn.convert import check_convertible, converted_model_type
+from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+from hf_softmax_rnn.models import LLAMA_LIKE_CONFIGS, LLAMA_LIKE_FAMILIES
+
+from .helpers import LLAMA_SHAPE, left_padded_batch, perturb_rnn_params
+
+#: GQA (4 heads, 2 KV heads) with head_dim 8, and no special tokens but padding (id 0).
+SHAPE = dict(LLAMA_SHAPE, head_dim=8, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+MOE = dict(num_experts_per_tok=2)
+#: id -> (source class, its config): tied and untied embeddings, attention biases (Qwen2's own; Qwen3's
+#: `attention_bias`), q/k norms (Qwen3, Qwen3-MoE), experts (Qwen3-MoE, Mixtral).
+SOURCES = {
+    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
+    "mistral-tied": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None, tie_word_embeddings=True)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE)),
+    "qwen2-tied": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, tie_word_embeddings=True)),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE)),
+    "qwen3-tied-bias": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=True, attention_bias=True)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, **MOE, num_experts=4, moe_intermediate_size=16)),
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **MOE, num_local_experts=4)),
+}
+FINITE_STATE_SPECS = {
+    "linear_elu": "linear_elu",
+    "hedgehog-window-sinks-decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=3, sinks=2, decay=True, chunk_size=4
+    ),
+}
+
+
+@pytest.fixture(params=sorted(SOURCES))
+def source(request) -> torch.nn.Module:
+    model_class, config = SOURCES[request.param]
+    return model_class(copy.deepcopy(config)).eval()
+
+
+def logits(model, ids, mask=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, use_cache=False).logits
+
+
+def greedy(model, ids, mask, **kwargs) -> torch.Tensor:
+    return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def test_softmax_conversion_reproduces_the_original_logits_and_generation(source):
+    converted = convert(source, "softmax")
+    family = source.config.model_type
+    assert converted.config.model_type == f"softmax_rnn_{family}"
+    assert type(converted).__name__ == f"SoftmaxRNN{type(source).__name__}"
+    assert converted.config.tie_word_embeddings == source.config.tie_word_embeddings
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    difference = (logits(converted, ids, mask) - logits(source, ids, mask))[visible].abs().max()
+    assert difference <= 2e-6
+    assert torch.equal(greedy(converted, ids, mask), greedy(source, ids, mask))
+
+
+def test_weights_are_copied_and_rnn_params_are_the_only_additions(source):
+    converted = convert(source, "gated_softmax")
+    original, new = source.state_dict(), converted.state_dict()
+    assert all(torch.equal(new[name], tensor) for name, tensor in original.items())
+    assert {name for name in new if name not in original} == {name for name in new if ".rnn_params." in name}
+    attention = softmax_rnn_attention_modules(converted)
+    assert len(attention) == 2 and all(type(module).__name__.startswith("SoftmaxRNN") for module in attention)
+
+
+@pytest.mark.parametrize("spec", list(FINITE_STATE_SPECS.values()), ids=list(FINITE_STATE_SPECS))
+def test_finite_state_modes_agree_and_cached_generation_matches_recomputation(source, spec):
+    converted = perturb_rnn_params(convert(source, spec)).eval()
+    assert converted.config.layer_types == ["softmax_rnn_recurrent"] * 2
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    parallel = logits(converted, ids, mask)
+    for module in softmax_rnn_attention_modules(converted):
+        module.set_attention_mode("chunked")
+    torch.testing.assert_close(logits(converted, ids, mask)[visible], parallel[visible], atol=2e-5, rtol=0)
+    assert torch.equal(greedy(converted, ids, mask), greedy(converted, ids, mask, use_cache=False))
+
+
+def test_a_hybrid_decodes_its_softmax_layer_from_a_kv_cache(source):
+    converted = perturb_rnn_params(convert(source, "linear_elu", layers=[1])).eval()
+    assert converted.config.layer_types == ["full_attention", "softmax_rnn_recurrent"]
+    ids, mask = left_padded_batch()
+    assert torch.equal(greedy(converted, ids, mask), greedy(converted, ids, mask, use_cache=False))
+
+
+def test_a_saved_converted_model_reloads_with_the_auto_classes(source, tmp_path):
+    converted = perturb_rnn_params(convert(source, FINITE_STATE_SPECS["hedgehog-window-sinks-decay"])).eval()
+    converted.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(converted)
+    assert type(AutoConfig.from_pretrained(tmp_path)) is type(converted.config)
+    ids, mask = left_padded_batch()
+    assert torch.equal(logits(loaded, ids, mask), logits(converted, ids, mask))
+
+
+def test_the_static_cache_decodes_as_the_dynamic_one():
+    model_class, config = SOURCES["qwen2"]
+    converted = perturb_rnn_params(convert(model_class(copy.deepcopy(config)).eval(), "linear_elu")).eval()
+    ids, mask = left_padded_batch()
+    assert torch.equal(greedy(converted, ids, mask, cache_implementation="static"), greedy(converted, ids, mask))
+
+
+def test_every_family_is_registered_under_its_model_type():
+    for family in LLAMA_LIKE_FAMILIES:
+        source_config = family.config_class(**SHAPE, sliding_window=None)
+        assert converted_model_type(source_config) == family.model_type
+        config = AutoConfig.for_model(family.model_type, **SHAPE, attention="linear_elu")
+        assert type(config) is LLAMA_LIKE_CONFIGS[family.name]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert type(model).__name__ == f"SoftmaxRNN{family.name}ForCausalLM"
+        assert isinstance(model, family.causal_lm)
+
+
+@pytest.mark.parametrize(
+    ("config", "layers"),
+    [
+        (MistralConfig(**SHAPE, sliding_window=16), "all"),
+        (MixtralConfig(**SHAPE, sliding_window=16), "all"),
+        (Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\[1\]"),
+        (Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "all"),
+    ],
+    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3"],
+)
+def test_a_sliding_window_is_refused_from_the_config_before_the_weights_load(config, layers, tmp_path):
+    message = rf"layers {layers} attend to the last sliding_window=16 positions only"
+    with pytest.raises(ValueError, match=message):
+        check_convertible(config)
+    config.save_pretrained(tmp_path)  # a config without weights: convert stops before it would load them
+    with pytest.raises(ValueError, match=message):
+        convert(tmp_path, "linear_elu")
+
+
+def test_a_sliding_window_that_no_layer_uses_is_dropped():
+    config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert config.sliding_window == 16 and "sliding_attention" not in config.layer_types
+    source = Qwen2ForCausalLM(config).eval()
+    converted = convert(source, "softmax")
+    assert converted.config.sliding_window is None
+    ids, mask = left_padded_batch(lengths=(20, 12))
+    torch.testing.assert_close(logits(converted, ids, mask), logits(source, ids, mask), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("model_class", "config", "full_attention", "hint"),
+    [
+        (
+            MistralForCausalLM,
+            MistralConfig(**SHAPE, sliding_window=16),
+            dict(sliding_window=None),
+            "sliding_window=None",
+        ),
+        (
+            Qwen2ForCausalLM,
+            Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+            dict(layer_types=["full_attention"] * 2),
+            "layer_types=['full_attention'] * 2",
+        ),
+    ],
+    ids=["mistral", "qwen2"],
+)
+def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
+    """The setting the refusal names (`sliding_window=None`, or full-attention `layer_types`) converts the model
+    as the full-attention model transformers loads with it."""
+    model_class(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
+        convert(tmp_path, "softmax")
+    converted = convert(tmp_path, "softmax", **full_attention)
+    reference = model_class.from_pretrained(tmp_path, **full_attention).eval()
+    ids, mask = left_padded_batch(lengths=(24, 12))
+    assert converted.config.sliding_window is None
+    torch.testing.assert_close(logits(converted, ids, mask), logits(reference, ids, mask), atol=2e-6, rtol=0)
+
+
+def test_converted_configs_refuse_a_sliding_window():
+    with pytest.raises(StrictDataclassClassValidationError, match="softmax_rnn_mistral has sliding_window=8"):
+        LLAMA_LIKE_CONFIGS["Mistral"](**SHAPE, sliding_window=8)
+    with pytest.raises(ValueError, match=r"softmax_rnn_qwen2 has layer_types with \['sliding_attention'\]"):
+        LLAMA_LIKE_CONFIGS["Qwen2"](**SHAPE, layer_types=["full_attention", "sliding_attention"])
+    assert LLAMA_LIKE_CONFIGS["Mistral"](**SHAPE).sliding_window is None
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "message"),
+    [
+        (BertConfig(), TypeError, r"got model_type 'bert'"),
+        (BartConfig(), TypeError, r"got model_type 'bart'"),
+        (GPT2Config(add_cross_attention=True), ValueError, r"this gpt2 model has add_cross_attention=True"),
+    ],
+    ids=["encoder-only", "encoder-decoder", "cross-attention"],
+)
+def test_models_whose_attention_does_not_fit_are_refused_from_the_config(config, error, message, tmp_path):
+    with pytest.raises(error, match=message) as refused:
+        check_convertible(config)
+    if error is TypeError:
+        assert all(repr(family.config_class.model_type) in str(refused.value) for family in LLAMA_LIKE_FAMILIES)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(error, match=message):
+        convert(tmp_path, "linear_elu")
