@@ -2,11 +2,14 @@
 
 import dataclasses
 import json
+import random
 import re
 import shutil
 
 import huggingface_hub.constants
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
@@ -364,12 +367,77 @@ def _without_tokenizer(folder):
             path.unlink()
 
 
+def _config_says(**entries):
+    """A damage: config.json entries that contradict the weights beside it."""
+
+    def damage(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | entries))
+
+    return damage
+
+
+def _truncated_weights(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _random_weights(folder):
+    (folder / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+
+
+class _NotATensor:
+    """What torch's weights-only loader refuses: a pickle that calls a function when it loads."""
+
+    def __reduce__(self):
+        return print, ("loaded",)
+
+
+def _pickle_with_code(folder):
+    weights = folder / "model.safetensors"
+    torch.save({**load_file(weights), "extra": _NotATensor()}, folder / "pytorch_model.bin")
+    weights.unlink()
+
+
 BROKEN_MODEL_FOLDERS = {
     "attention-field-of-wrong-type": (
         _broken_attention_type,
         r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
     ),
     "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+    "config-with-a-layer-the-weights-lack": (
+        _config_says(num_hidden_layers=3),
+        r"its weights do not fit the model its config\.json describes \(num_hidden_layers=3, .*\): 9 weights it needs "
+        r"missing from the files \(model\.layers\.2\.input_layernorm\.weight, .*, and 5 more\)",
+    ),
+    "config-with-fewer-layers-than-the-weights": (
+        _config_says(num_hidden_layers=1),
+        r"its weights do not fit .*\(num_hidden_layers=1, .*\): 9 weights in the files it has no place for "
+        r"\(model\.layers\.1\.",
+    ),
+    "hidden-size-contradicting-the-weights": (
+        _config_says(hidden_size=64),
+        r"its weights do not fit .*\(.*hidden_size=64.*\): 20 weights of another shape "
+        r"\(model\.embed_tokens\.weight \[128, 32\] in the files, \[128, 64\] in the model",
+    ),
+    "vocab-size-contradicting-the-weights": (
+        _config_says(vocab_size=100),
+        r"its weights do not fit .*\(.*vocab_size=100\): 1 weight of another shape "
+        r"\(model\.embed_tokens\.weight \[128, 32\] in the files, \[100, 32\] in the model\)",
+    ),
+    "truncated-safetensors": (
+        _truncated_weights,
+        r"weight file '.*model/model\.safetensors' cannot be read: it is truncated or no safetensors file",
+    ),
+    "random-bytes-safetensors": (
+        _random_weights,
+        r"weight file '.*model/model\.safetensors' cannot be read: it is truncated or no safetensors file",
+    ),
+    "pickle-the-weights-only-loader-refuses": (
+        _pickle_with_code,
+        r"weight file '.*model/pytorch_model\.bin' cannot be read: torch's weights-only loader refuses it, as it "
+        r"holds objects besides tensors \(Unsupported global: GLOBAL print was not an allowed global",
+    ),
 }
 
 
@@ -385,7 +453,7 @@ def test_cli_reports_a_broken_model_folder_in_one_line(tiny_models, tmp_path, ca
     capsys.readouterr()
     assert main(arguments) == 2
     error = capsys.readouterr().err
-    assert "Traceback" not in error
+    assert "Traceback" not in error and "LOAD REPORT" not in error
     assert re.search(rf"^hf-softmax-rnn finetune: error: Model '.*model': {message}", error, re.MULTILINE), error
     assert not (tmp_path / "out").exists()
 
