@@ -475,7 +475,7 @@ class Finetuner:
         scheduler = get_scheduler(
             config.lr_scheduler,
             optimizer,
-            num_warmup_steps=min(config.warmup_steps, stage.steps),
+            num_warmup_steps=config.warmup_steps,
             num_training_steps=stage.steps,
         )
         self._ddp_kwargs.find_unused_parameters = stage.may_leave_parameters_unused

@@ -245,6 +245,47 @@ BAD_SETTINGS = {
         dict(dataset="pydoc", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc': .* only a 'text' column; drop --text-column",
     ),
+    "warmup-longer-than-a-stage": (
+        dict(warmup_steps=15),
+        r"--warmup-steps 15 is longer than the state stage \(--state-steps 10\), whose learning rate would never "
+        r"reach its peak; use --warmup-steps <= 10",
+    ),
+    "retrieval-kept-without-retrieval-layers": (
+        dict(retrieval_layers=0, retrieval_kept=0),
+        r"--retrieval-kept 0 has no effect without retrieval layers \(--retrieval-layers is 0\); drop --retrieval-kept",
+    ),
+    "retrieval-kept-for-a-spec-without-kept": (
+        dict(attention="hedgehog_window_64", retrieval_kept=512),
+        r"--retrieval-kept 512 has no effect without retrieval layers",
+    ),
+    "dataset-config-for-pydoc": (
+        dict(dataset="pydoc", dataset_config="en"),
+        r"--dataset-config 'en' applies to a Hub dataset, and --dataset 'pydoc' names none .*; drop --dataset-config",
+    ),
+    "transfer-modules-without-a-transfer-stage": (
+        dict(transfer_modules=["rnn_params"]),
+        r"--transfer-modules \['rnn_params'\] has no effect without a transfer stage \(--transfer-steps is 0\)",
+    ),
+    "no-transfer-teacher-forcing-without-a-transfer-stage": (
+        dict(transfer_teacher_forcing=False),
+        r"^--no-transfer-teacher-forcing has no effect without a transfer stage",
+    ),
+    "long-eval-texts-without-long-eval": (
+        dict(long_eval_texts="books.txt"),
+        r"--long-eval-texts 'books\.txt' has no effect without --long-eval; drop --long-eval-texts",
+    ),
+    "generated-texts-without-generated-source": (
+        dict(generated_texts=6),
+        r"--generated-texts 6 has no effect without the 'generated' dataset source",
+    ),
+    "shuffle-buffer-without-streaming": (
+        dict(shuffle_buffer=1),
+        r"--shuffle-buffer 1 has no effect without --streaming \(loaded data is shuffled whole\)",
+    ),
+    "allow-inexact-resume-without-resume": (
+        dict(allow_inexact_resume=True),
+        r"^--allow-inexact-resume has no effect without --resume",
+    ),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
@@ -274,11 +315,49 @@ def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(t
         dict(dataset="pydoc+data.jsonl", text_column="body"),
         dict(push_to_hub="someone/model", hub_private=True),
         dict(push_to_hub="model-name_1.0"),
+        dict(warmup_steps=10),
+        dict(retrieval_kept=4096),
+        dict(dataset="pydoc+someone/dataset", dataset_config="en"),
+        dict(transfer_steps=2, transfer_modules=["rnn_params"], transfer_teacher_forcing=False),
+        dict(long_eval=True, long_eval_texts="books.txt"),
+        dict(dataset="pydoc+generated", generated_texts=6),
+        dict(streaming=True, shuffle_buffer=1),
+        dict(resume=True, allow_inexact_resume=True),
     ],
-    ids=["pydoc-text-column", "file-source-reads-the-column", "private-push", "repo-without-owner"],
+    ids=[
+        "pydoc-text-column",
+        "file-source-reads-the-column",
+        "private-push",
+        "repo-without-owner",
+        "warmup-as-long-as-the-shortest-stage",
+        "retrieval-kept-of-the-recipes-retrieval-layers",
+        "dataset-config-of-a-hub-source",
+        "transfer-settings-with-a-transfer-stage",
+        "long-eval-settings-with-long-eval",
+        "generated-settings-with-the-generated-source",
+        "shuffle-buffer-when-streaming",
+        "inexact-resume-when-resuming",
+    ],
 )
 def test_consistent_settings_are_accepted(tmp_path, settings):
-    FinetuneConfig(output_dir=str(tmp_path), **settings)
+    config = FinetuneConfig(output_dir=str(tmp_path), **settings)
+    dataclasses.replace(config, overwrite=not config.resume)  # a config rebuilt from its fields stays valid
+
+
+def test_a_config_without_retrieval_layers_rebuilt_from_its_fields_stays_valid(tmp_path):
+    config = FinetuneConfig(output_dir=str(tmp_path), attention="hedgehog_window_64")
+    assert (config.retrieval_layers, config.retrieval_kept) == (0, 2048)
+    assert dataclasses.replace(config, resume=True).retrieval_kept == 2048
+
+
+def test_dataset_config_for_a_local_file_is_refused_before_anything_is_written(tiny_models, tmp_path, capsys):
+    data = tmp_path / "texts.jsonl"
+    data.write_text('{"text": "a line of text"}\n')
+    arguments = ["--output-dir", str(tmp_path / "out"), "--model", tiny_models["llama"], "--dataset", str(data)]
+    assert main(["finetune", *arguments, "--dataset-config", "en", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert f"error: --dataset-config 'en' applies to a Hub dataset, and --dataset '{data}' names none" in error
+    assert not (tmp_path / "out").exists()
 
 
 def test_spec_file_that_is_not_json_is_refused(tmp_path):
