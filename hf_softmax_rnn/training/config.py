@@ -495,6 +495,9 @@ class FinetuneConfig:
     hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        for name, value in self.to_dict().items():
+            if isinstance(value, str) and "\0" in value:
+                raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
         self._take_a_converted_models_attention()
         if self.attention is None:
             self.attention = DEFAULT_ATTENTION

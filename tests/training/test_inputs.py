@@ -286,6 +286,10 @@ BAD_SETTINGS = {
         dict(allow_inexact_resume=True),
         r"^--allow-inexact-resume has no effect without --resume",
     ),
+    "nul-byte-in-a-path": (
+        dict(dataset="data\0.txt"),
+        r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
+    ),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
