@@ -14,6 +14,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from hf_softmax_rnn.training import trainer as trainer_module
@@ -435,6 +436,60 @@ def test_diverging_run_stops_instead_of_training_on_nan(tiny_models, tmp_path):
     ):
         finetune(config)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_learning_rate_whose_step_overflows_is_reported_as_divergence(tiny_models, tmp_path, capsys):
+    """At lr 1e38 Adam's step (lr / (1 - beta1)) is beyond float32, which torch reports as an overflow: the run
+    stops as one that diverges does (at 1e30 the parameters become NaN), in one line with exit status 1."""
+    out = tmp_path / "out"
+    arguments = ["--output-dir", str(out), "--model", tiny_models["llama"], "--block-size", "16", "--batch-size", "2"]
+    arguments += ["--max-eval-blocks", "4", "--transfer-steps", "0", "--finetune-steps", "2", "--state-steps", "0"]
+    arguments += ["--attention", "softmax_divS_norm", "--finetune-method", "full", "--lr", "1e38", "--no-progress"]
+    assert main(["finetune", *arguments]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert re.search(
+        r"^hf-softmax-rnn finetune: error: Stage finetune: training diverged at step 1 \(the optimizer update is "
+        r"inf\); lower the learning rate \(1e\+38\)",
+        error,
+        re.MULTILINE,
+    ), error
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["batch_size", "eval_batch_size"])
+def test_a_batch_whose_logits_exceed_the_devices_memory_stops_before_the_weights_and_the_data_load(
+    tiny_models, tmp_path, monkeypatch, name
+):
+    def loaded(*args, **kwargs):
+        raise AssertionError("weights or data loaded before the batch was checked against the memory")
+
+    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
+    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
+    monkeypatch.setattr(trainer_module, "device_memory", lambda device: 10**6)
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", **{name: 200})
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(
+        UserInputError,
+        match=rf"^{flag} 200 needs at least 1,638,400 bytes for the logits of one batch \(200 blocks x 16 tokens x 128 "
+        rf"vocabulary entries x 4 bytes\), more than the 1,000,000 bytes of cpu; use {flag} <= 122$",
+    ):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_larger_than_the_training_data_stops_before_the_run_writes(tiny_models, tmp_path):
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(load_corpus()["train"]["text"][:2]))
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", dataset=str(data), batch_size=100_000)
+    with pytest.raises(
+        UserInputError,
+        match=r"^--batch-size 100000 x 1 processes x --grad-accum 1 = 100000 blocks per step, more than the \d+ "
+        r"training blocks of 16 tokens \(--block-size, stage transfer\); use --batch-size <= \d+, more data or "
+        r"shorter blocks$",
+    ):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
 
 
 def _broken_attention_type(folder):
