@@ -329,7 +329,8 @@ class Finetuner:
         """Settings that contradict the model's config stop here, before its weights and the data load: a
         model type `convert` does not take, layers or a retrieval-layer count beyond its layers, LoRA targets
         that match none of its modules (built on the meta device, without weights), an `--extend-context`
-        it cannot take, and blocks longer than its positions (extended, with `--extend-context`)."""
+        it cannot take, blocks longer than its positions (extended, with `--extend-context`), and batches whose
+        logits need more than the device's memory."""
         config, num_layers = self.config, model_config.num_hidden_layers
         with user_input_checks(ValueError, TypeError):
             check_convertible(model_config)
