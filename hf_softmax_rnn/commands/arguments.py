@@ -127,6 +127,10 @@ def check_output_folders(args: argparse.Namespace) -> None:
         if value is None:
             continue
         flag, path = f"--{name.replace('_', '-')}", Path(value)
+        if "\0" in str(value):
+            raise UserInputError(
+                f"{flag}={str(value)!r} holds a NUL byte, which no path can hold; expected a folder name"
+            )
         if path.exists() and not path.is_dir():
             raise UserInputError(f"{flag}={value} is an existing file; expected a folder to write into (or a new name)")
         existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())

@@ -22,14 +22,20 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.generation.streamers import BaseStreamer
 
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
-from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_config, resolve_model
+from hf_softmax_rnn.default_model import (
+    DEFAULT_MODEL_ALIAS,
+    DEFAULT_MODEL_NAME,
+    load_causal_lm,
+    resolve_config,
+    resolve_model,
+)
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.layers.cache import cache_nbytes
@@ -211,7 +217,7 @@ def evaluate_trained(
     folder: Path, base_model, tokenizer, eval_ids: list[int], contexts: list[torch.Tensor], args
 ) -> ModelResult:
     """Measure the model saved in `folder` as the presets are measured."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=base_model.dtype).eval()
+    model = load_causal_lm(str(folder), folder, dtype=base_model.dtype).eval()
     summary = getattr(model.config, "attention_summary", lambda: "unconverted attention")()
     description = f"saved model; {summary}"
     return measure(

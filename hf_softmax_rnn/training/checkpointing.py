@@ -31,6 +31,7 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import RNG_STATE_NAME
 
+from hf_softmax_rnn.default_model import weight_file_problem
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks
 from hf_softmax_rnn.training.disk import bytes_in, reporting_full_disk
@@ -45,6 +46,8 @@ MANIFEST_FILE = "manifest.json"
 FINGERPRINT_STREAM_BLOCKS = 64
 #: What Accelerate's RNG state files hold on every machine.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+#: The files of a checkpoint that hold tensors (Accelerate's weights and optimizer, the scheduler), checked readable.
+TENSOR_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "optimizer*.bin", SCHEDULER_FILE)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TEMPORARY_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
@@ -78,17 +81,18 @@ class TrainerState:
         return cls(**json.loads(path.read_text()))
 
 
-def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def named_checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """The folders named as checkpoints (`checkpoint-<global step>`), complete or not, oldest first."""
     root = Path(output_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _NAME.match(p.name)) and (p / TRAINER_STATE_FILE).is_file()
-    ]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return [path for _, path in sorted(found)]
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (those holding their trainer state), oldest first."""
+    return [path for path in named_checkpoint_dirs(output_dir) if (path / TRAINER_STATE_FILE).is_file()]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -176,13 +180,15 @@ def write_manifest(directory: Path) -> None:
 
 
 def checkpoint_problems(path: Path) -> list[str]:
-    """What keeps checkpoint `path` from matching its manifest (a missing, truncated or changed
-    file, or no readable manifest), one line per file; [] when it verifies."""
+    """What keeps checkpoint `path` from being resumed, one line per file: its trainer state missing, a file
+    that does not match its manifest (missing, truncated or changed), no readable manifest, or, when everything
+    matches, a file that cannot be read as what it is (the trainer state as JSON, the weights, optimizer and
+    scheduler as safetensors or pickles of tensors that torch's weights-only loader takes); [] when it resumes."""
+    problems = [] if (path / TRAINER_STATE_FILE).is_file() else [f"{TRAINER_STATE_FILE} is missing"]
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        return [f"{MANIFEST_FILE} is missing or unreadable ({error.__class__.__name__})"]
-    problems = []
+        return [*problems, f"{MANIFEST_FILE} is missing or unreadable ({error.__class__.__name__})"]
     for name, expected in manifest.items():
         file = path / name
         if not file.is_file():
@@ -191,12 +197,23 @@ def checkpoint_problems(path: Path) -> list[str]:
             problems.append(f"{name} has {file.stat().st_size} bytes instead of {expected['size']}")
         elif _sha256(file) != expected["sha256"]:
             problems.append(f"{name} does not match its sha256 (corrupted)")
-    return problems
+    return list(dict.fromkeys(problems)) or _unreadable_files(path)
+
+
+def _unreadable_files(path: Path) -> list[str]:
+    """The files of checkpoint `path` that `--resume` reads and that cannot be read as what they are."""
+    try:
+        TrainerState.load(path / TRAINER_STATE_FILE)
+    except (ValueError, TypeError) as error:
+        return [f"{TRAINER_STATE_FILE} is no trainer state ({error.__class__.__name__}: {error})"]
+    files = sorted(file for pattern in TENSOR_FILE_PATTERNS for file in path.glob(pattern))
+    return [f"{file.name}: {problem}" for file in files if (problem := weight_file_problem(file))]
 
 
 def _newest_intact(output_dir: Path) -> tuple[str | None, str | None]:
     """(newest checkpoint that verifies, error message): warns about each newer one that does not."""
-    found = checkpoint_dirs(output_dir)
+    found = named_checkpoint_dirs(output_dir)
+    damaged = []
     for path in reversed(found):
         problems = checkpoint_problems(path)
         if not problems:
@@ -204,11 +221,12 @@ def _newest_intact(output_dir: Path) -> tuple[str | None, str | None]:
         logger.warning(
             "Checkpoint %s is damaged: %s; falling back to the previous checkpoint", path, "; ".join(problems)
         )
+        damaged.append(f"{path.name}: {'; '.join(problems)}")
     if not found:
         return None, None
     return None, (
-        f"--resume: no checkpoint in {output_dir / CHECKPOINTS_DIR} is complete and intact (every one fails its "
-        f"{MANIFEST_FILE}; see the warnings above); start a new run with --overwrite or another --output-dir"
+        f"--resume: no checkpoint in {output_dir / CHECKPOINTS_DIR} is complete and intact ({'; '.join(damaged)}); "
+        "start a new run with --overwrite or another --output-dir"
     )
 
 

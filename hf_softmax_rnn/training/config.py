@@ -19,7 +19,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.commands.arguments import SHOWN_DEFAULT, option
-from hf_softmax_rnn.data.corpus import DEFAULT_CORPUS, SOURCE_SEPARATOR, TEXT_COLUMN, source_names
+from hf_softmax_rnn.data.corpus import DEFAULT_CORPUS, SOURCE_SEPARATOR, TEXT_COLUMN, _local_files, source_names
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS
 from hf_softmax_rnn.errors import UserInputError
@@ -134,6 +134,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _as_given(config: FinetuneConfig, name: str) -> str:
+    """Field `name` of `config` as the command line gives it: its flag (of a switch, as the switch's flag reads,
+    such as --no-progress), then its value."""
+    value, field = getattr(config, name), config.__dataclass_fields__[name]
+    return field.metadata.get("flag", _flag(name)) if isinstance(value, bool) else f"{_flag(name)} {value!r}"
+
+
 def _same_place(saved: Any, current: Any, names: tuple[str, ...] = ()) -> bool:
     """Whether two values of a --model or dataset source name the same thing: two existing local paths
     compared resolved (`./llama/` from /tmp is `/tmp/llama`), anything else (a Hub id, one of the reserved
@@ -156,6 +163,20 @@ def _same_dataset(saved: Any, current: Any) -> bool:
         return saved == current
     then, now = saved.split(SOURCE_SEPARATOR), current.split(SOURCE_SEPARATOR)
     return len(then) == len(now) and all(_same_place(*pair, SOURCES_WITHOUT_COLUMNS) for pair in zip(then, now))
+
+
+#: The settings of the transfer stage beside its step count and learning rate, which act only where it trains.
+TRANSFER_SETTINGS = ("transfer_modules", "transfer_lm_weight", "transfer_teacher_forcing")
+
+
+def _names_a_hub_dataset(source: str) -> bool:
+    """Whether a --dataset source is a Hub dataset (not local files, nor an offline source)."""
+    return source not in SOURCES_WITHOUT_COLUMNS and _local_files(source)[0] is None
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    """The default value of a dataclass field (a fresh one of a mutable default)."""
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
 #: Settings a checkpoint's record may lack, with the setting whose value its run used for them.
@@ -474,6 +495,9 @@ class FinetuneConfig:
     hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        for name, value in self.to_dict().items():
+            if isinstance(value, str) and "\0" in value:
+                raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
         self._take_a_converted_models_attention()
         if self.attention is None:
             self.attention = DEFAULT_ATTENTION
@@ -538,6 +562,7 @@ class FinetuneConfig:
         if self.layers is not None and any(index < 0 for index in self.layers):
             raise UserInputError(f"layers={self.layers} is not allowed; expected layer indices >= 0")
         self._check_retrieval()
+        self._check_settings_that_act()
         if self.resume and self.overwrite:
             raise UserInputError("--resume and --overwrite contradict each other (continue or start over); pass one")
         self._check_optimisation()
@@ -605,6 +630,44 @@ class FinetuneConfig:
         _check_at_least("retrieval_layers", self.retrieval_layers, minimum=0)
         if self.retrieval_layers:
             check_retrieval_budget(self.attention_spec, self.retrieval_kept)
+
+    def _check_settings_that_act(self) -> None:
+        """Refuse a setting given where it cannot act (it would be ignored without a word), naming it and what it
+        needs: a warm-up longer than a stage, a setting of a stage or an option that the run leaves out."""
+        trained = {name: getattr(self, f"{name}_steps") for name in self.stage_names}
+        shortest = min(trained, key=trained.get)
+        if self.warmup_steps > trained[shortest]:
+            raise UserInputError(
+                f"--warmup-steps {self.warmup_steps} is longer than the {shortest} stage ({_flag(shortest + '_steps')} "
+                f"{trained[shortest]}), whose learning rate would never reach its peak; use --warmup-steps <= "
+                f"{trained[shortest]}"
+            )
+        if self.dataset_config is not None and not any(map(_names_a_hub_dataset, self.dataset_sources)):
+            raise UserInputError(
+                f"--dataset-config {self.dataset_config!r} applies to a Hub dataset, and --dataset {self.dataset!r} "
+                "names none (local files and the offline sources have no configurations); drop --dataset-config"
+            )
+        defaults = {field.name: _field_default(field) for field in dataclasses.fields(self)}
+        defaults["retrieval_kept"] = RETRIEVAL_KEPT
+        long_eval_settings = tuple(name for name in defaults if name.startswith("long_eval_"))
+        acts_only_with = {
+            "retrieval layers (--retrieval-layers is 0)": (bool(self.retrieval_layers), ("retrieval_kept",)),
+            "a transfer stage (--transfer-steps is 0)": (bool(self.transfer_steps), TRANSFER_SETTINGS),
+            "--long-eval": (self.long_eval, long_eval_settings),
+            f"the {GENERATED_CORPUS!r} dataset source": (
+                GENERATED_CORPUS in self.dataset_sources,
+                ("generated_texts", "generated_tokens"),
+            ),
+            "--streaming (loaded data is shuffled whole)": (self.streaming, ("shuffle_buffer",)),
+            "--resume": (self.resume, ("allow_inexact_resume",)),
+        }
+        for needed, (present, names) in acts_only_with.items():
+            given = [name for name in names if not present and getattr(self, name) != defaults[name]]
+            if given:
+                flag = _as_given(self, given[0])
+                raise UserInputError(
+                    f"{flag} has no effect without {needed}; drop {flag.split()[0]}, or add what it acts on"
+                )
 
     def _check_lora(self) -> None:
         """The LoRA settings: with --finetune-method lora, their `LORA_DEFAULTS` where not given, then checked;

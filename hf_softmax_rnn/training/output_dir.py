@@ -29,8 +29,9 @@ from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.checkpointing import CHECKPOINTS_DIR, checkpoint_dirs, remove_incomplete
 from hf_softmax_rnn.training.config import FinetuneConfig
-from hf_softmax_rnn.training.metrics import METRICS_FILE, TENSORBOARD_DIR
-from hf_softmax_rnn.training.outputs import ADAPTER_BASE_DIR, ADAPTER_DIR, RESULTS_FILE
+from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hf_softmax_rnn.training.outputs import ADAPTER_BASE_DIR, ADAPTER_DIR, MODEL_FILES, RESULTS_FILE
+from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,19 @@ MARKER_FILE = ".hf_softmax_rnn_run.json"
 LOCK_FILE = ".hf_softmax_rnn.lock"
 #: What a replaced run leaves that the new one would not overwrite (--overwrite removes it first).
 PREVIOUS_RUN = (CHECKPOINTS_DIR, TENSORBOARD_DIR, ADAPTER_DIR, ADAPTER_BASE_DIR, METRICS_FILE, RESULTS_FILE)
+#: The folders a run writes into, and the files it writes (of its model, its card and records, its marker and
+#: lock): a path of the other kind in their place would stop the run after it trained.
+RUN_FOLDERS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, ADAPTER_DIR, ADAPTER_BASE_DIR)
+RUN_FILES = (
+    *(name for name in MODEL_FILES if "*" not in name),
+    "README.md",
+    METRICS_FILE,
+    RESULTS_FILE,
+    PLOT_FILE,
+    LAYER_MSE_FILE,
+    MARKER_FILE,
+    LOCK_FILE,
+)
 #: Lock file handles held by this process, by folder: a later claim from the same process (runs one
 #: after the other in one interpreter) takes the lock over instead of failing.
 _HELD: dict[Path, IO] = {}
@@ -139,6 +153,22 @@ def check_output_dir(config: FinetuneConfig) -> None:
     if holder is not None:
         raise _in_use(directory, holder)
     _check_contents(directory, config)
+    _check_run_paths(directory, config)
+
+
+def _check_run_paths(directory: Path, config: FinetuneConfig) -> None:
+    """Refuse a path the run writes that is of the other kind: a file where it makes a folder (`checkpoints`),
+    a folder where it writes a file; what `--overwrite` removes from a run folder first (`PREVIOUS_RUN`) is none."""
+    removed = PREVIOUS_RUN if config.overwrite and read_marker(directory) is not None else ()
+    for name in (*RUN_FOLDERS, *RUN_FILES):
+        path, folder = directory / name, name in RUN_FOLDERS
+        if name in removed or not (path.exists() or path.is_symlink()) or path.is_dir() == folder:
+            continue
+        held, written = ("a file", "a folder") if folder else ("a folder", "a file")
+        raise UserInputError(
+            f"--output-dir {str(directory)!r} holds {held} {name!r} where the run writes {written} of that name; move "
+            "or delete it, or choose another --output-dir"
+        )
 
 
 class OutputDirClaim:

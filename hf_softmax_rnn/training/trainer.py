@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
@@ -125,6 +126,7 @@ def heldout_metrics(
 
 #: How a divergence message names a logged value.
 _VALUE_NAMES = {
+    "update": "optimizer update",
     "grad_norm": "gradient norm",
     "eval_loss": "held-out loss",
     "lr": "learning rate",
@@ -135,6 +137,17 @@ _VALUE_NAMES = {
 def _architecture(config: PreTrainedConfig) -> str:
     """The model class a config names (its first architecture), else the config's class."""
     return (config.architectures or [type(config).__name__])[0]
+
+
+#: Bytes of one logit under each `--mixed-precision`: a forward pass holds at least one per token and vocabulary entry.
+_LOGIT_BYTES = {"no": 4, "bf16": 2, "fp16": 2}
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of `device`: a GPU's own, else the machine's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
 
 
 def _parameters_finite(model: nn.Module, accelerator: Accelerator) -> bool:
@@ -246,6 +259,8 @@ class Finetuner:
                 )
                 for size, flag in flags.items()
             }
+        self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
+        self._check_enough_blocks()
         fingerprint = data_fingerprint(list(self.train_data.values()), self.eval_ids)
         if self.resume_from is not None:
             check_exact_resume(
@@ -253,7 +268,6 @@ class Finetuner:
             )
         self.state.data_fingerprint = fingerprint
         self.output_claim = claim_output_dir(config, self.accelerator)  # everything is checked: the run may write
-        self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         logger.info(
             "Global batch %d blocks (%d per process x %d processes x %d accumulation) of %s tokens; %d held-out "
             "blocks; distributed: %s",
@@ -315,7 +329,8 @@ class Finetuner:
         """Settings that contradict the model's config stop here, before its weights and the data load: a
         model type `convert` does not take, layers or a retrieval-layer count beyond its layers, LoRA targets
         that match none of its modules (built on the meta device, without weights), an `--extend-context`
-        it cannot take, and blocks longer than its positions (extended, with `--extend-context`)."""
+        it cannot take, blocks longer than its positions (extended, with `--extend-context`), and batches whose
+        logits need more than the device's memory."""
         config, num_layers = self.config, model_config.num_hidden_layers
         with user_input_checks(ValueError, TypeError):
             check_convertible(model_config)
@@ -332,6 +347,40 @@ class Finetuner:
         if config.extend_context is not None:
             maximum = extended_max_positions(model_config, config.extend_context)
         self._check_block_size(maximum)
+        self._check_batch_memory(model_config.vocab_size)
+
+    def _check_batch_memory(self, vocab_size: int) -> None:
+        """A batch whose logits alone (blocks x tokens x vocabulary entries) need more than the device's memory
+        cannot run: refused from the config, before the weights and the data load."""
+        config, memory = self.config, device_memory(self.accelerator.device)
+        training_block = max([config.block_size] + ([config.state_block_size] if config.state_steps else []))
+        per_logit = _LOGIT_BYTES[config.mixed_precision]
+        batches = {"batch_size": training_block, "eval_batch_size": config.heldout_block_size}
+        for name, block in batches.items():
+            blocks, per_block = getattr(config, name), block * vocab_size * per_logit
+            if blocks * per_block > memory:
+                raise UserInputError(
+                    f"--{name.replace('_', '-')} {blocks} needs at least {blocks * per_block:,} bytes for the logits "
+                    f"of one batch ({blocks} blocks x {block} tokens x {vocab_size} vocabulary entries x {per_logit} "
+                    f"bytes), more than the {memory:,} bytes of {self.accelerator.device.type}; use "
+                    f"--{name.replace('_', '-')} <= {max(memory // per_block, 1)}"
+                )
+
+    def _check_enough_blocks(self) -> None:
+        """Each step reads a global batch of distinct training blocks: a batch larger than the training data of a
+        stage's block length (read whole, not streamed) is refused, before the run writes anything."""
+        config = self.config
+        for stage in self.stages:
+            blocks = self.train_data[stage.block_size]
+            if isinstance(blocks, ShuffledBlocks) and len(blocks) < self.global_batch:
+                per_process = len(blocks) // (self.accelerator.num_processes * config.grad_accum)
+                fewer = f"--batch-size <= {per_process}, " if per_process else ""
+                raise UserInputError(
+                    f"--batch-size {config.batch_size} x {self.accelerator.num_processes} processes x --grad-accum "
+                    f"{config.grad_accum} = {self.global_batch} blocks per step, more than the {len(blocks)} training "
+                    f"blocks of {stage.block_size} tokens ({stage.block_size_flag}, stage {stage.name}); use {fewer}"
+                    "more data or shorter blocks"
+                )
 
     def _check_teacher(self, converted: PreTrainedConfig, teacher: PreTrainedConfig) -> None:
         """A converted --model must be a conversion of a model shaped as --teacher: the same family, layers,
@@ -475,7 +524,7 @@ class Finetuner:
         scheduler = get_scheduler(
             config.lr_scheduler,
             optimizer,
-            num_warmup_steps=min(config.warmup_steps, stage.steps),
+            num_warmup_steps=config.warmup_steps,
             num_training_steps=stage.steps,
         )
         self._ddp_kwargs.find_unused_parameters = stage.may_leave_parameters_unused
@@ -646,7 +695,12 @@ class Finetuner:
         values["lr"] = scheduler.get_last_lr()[0]
         if stage.rnn_learning_rate is not None:
             values["rnn_lr"] = next(g["lr"] for g in optimizer.param_groups if g.get("name") == RNN_PARAMS)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except RuntimeError as error:  # a step beyond the parameters' dtype: reported as divergence, as a NaN is
+            if "overflow" not in str(error):
+                raise
+            values["update"] = math.inf
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         names = sorted(totals)

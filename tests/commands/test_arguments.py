@@ -86,3 +86,16 @@ def test_sysfs_is_refused_before_any_work(command, no_work, capsys):
     error = capsys.readouterr().err
     assert f"{path} cannot be written: no folder can be created in {SYS}" in error, error
     assert no_work == [] and not path.parent.exists()
+
+
+@pytest.mark.parametrize("command", OUTPUT_FLAGS, ids=OUTPUT_FLAGS)
+def test_every_command_refuses_an_output_path_with_a_nul_byte_before_any_work(command, tmp_path, no_work, capsys):
+    path = f"{tmp_path}/out\0put"
+    assert cli.main([command, OUTPUT_FLAGS[command], path]) == 2
+    error = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"hf-softmax-rnn {command}: error: {OUTPUT_FLAGS[command]}='.*out\\x00put' holds a NUL byte, which no path "
+        r"can hold; expected a folder name.*\n",
+        error,
+    ), error
+    assert no_work == [] and list(tmp_path.iterdir()) == []

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -205,3 +206,17 @@ def test_trained_folders_are_checked_before_anything_is_measured(tiny_llama_dir,
     assert run_demo(tiny_llama_dir, "--trained", str(other)) == 2
     error = capsys.readouterr().err
     assert "has vocab_size=301, the --model has 300" in error
+
+
+def test_a_trained_folder_whose_weights_are_damaged_is_one_line(tiny_llama_dir, tmp_path, capsys):
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_llama_dir, trained)
+    weights = trained / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert run_demo(tiny_llama_dir, "--presets", "softmax", "--trained", str(trained), "--output", str(tmp_path)) == 2
+    error = capsys.readouterr().err
+    assert (
+        f"hf-softmax-rnn demo: error: Model '{trained}': weight file '{weights}' cannot be read: it is truncated"
+        in error
+    )
+    assert not (tmp_path / "demo.json").exists()

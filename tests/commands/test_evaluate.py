@@ -2,6 +2,8 @@
 finetune folder's results.json), the files it writes, and bad input as one line with status 2."""
 
 import json
+import re
+import shutil
 
 import pytest
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -250,4 +252,24 @@ def test_fidelity_refuses_an_original_of_another_vocabulary(saved, tmp_path, cap
     argv += ["--positions", "0", "16", "--passkey", "0", "--fidelity", "--output", str(tmp_path / "out")]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_config_contradicts_its_weights_is_one_line_with_status_2(saved, tmp_path, capsys):
+    """A config.json with a layer the weights lack would give a randomly initialised layer (transformers only
+    logs a report): the command stops, naming the weights."""
+    model = tmp_path / "model"
+    shutil.copytree(saved["original"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"num_hidden_layers": config["num_hidden_layers"] + 1}))
+    argv = ["evaluate", "--model", str(model), "--original", "none", "--texts", saved["texts"], "--passkey", "0"]
+    assert cli.main([*argv, "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "LOAD REPORT" not in error
+    assert re.search(
+        rf"^hf-softmax-rnn evaluate: error: Model '{model}': its weights do not fit the model its config\.json "
+        r"describes \(num_hidden_layers=3, .*\): 9 weights it needs missing from the files \(model\.layers\.2\.",
+        error,
+        re.MULTILINE,
+    ), error
     assert not (tmp_path / "out").exists()

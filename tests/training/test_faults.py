@@ -21,6 +21,7 @@ from hf_softmax_rnn.training.checkpointing import (
     InexactResumeError,
     checkpoint_dirs,
     checkpoint_problems,
+    write_manifest,
 )
 from hf_softmax_rnn.training.disk import bytes_in
 from hf_softmax_rnn.training.metrics import MetricsLogger, read_metrics
@@ -50,6 +51,7 @@ DAMAGES = {
     "empty-trainer-state": ("trainer_state.json", empty),
     "missing-rng-states": ("random_states_0.pkl", lambda path: path.unlink()),
     "missing-manifest": (MANIFEST_FILE, lambda path: path.unlink()),
+    "missing-trainer-state": ("trainer_state.json", lambda path: path.unlink()),
 }
 
 
@@ -103,6 +105,88 @@ def test_no_valid_checkpoint_is_a_clear_error(run_copy):
         truncate(path / "model.safetensors")
     with pytest.raises(UserInputError, match=r"--resume: no checkpoint in .* is complete and intact"):
         finetune(config)
+
+
+def test_a_checkpoint_folder_holding_no_trainer_state_is_named_in_a_warning(finished_run, run_copy, caplog):
+    """A `checkpoint-<step>` folder with neither its trainer state nor its manifest (left by a copy, say) is
+    no checkpoint to resume, and a WARNING names the file it lacks."""
+    config, out = run_copy
+    stray = out / "checkpoints" / "checkpoint-0000009"
+    stray.mkdir()
+    shutil.copy(checkpoint_dirs(out)[-1] / "model.safetensors", stray)
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
+        finetune(config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("checkpoint-0000009" in m and "trainer_state.json is missing" in m for m in warnings), warnings
+    assert read_metrics(out / "metrics.jsonl") == read_metrics(finished_run[1] / "metrics.jsonl")
+
+
+class _NotATensor:
+    """What torch's weights-only loader refuses: a pickle that calls a function when it loads."""
+
+    def __reduce__(self):
+        return print, ("loaded",)
+
+
+def _code_in_the_pickle(path):
+    torch.save({"state": {}, "param_groups": [], "extra": _NotATensor()}, path)
+
+
+def _random_bytes(path):
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+def _no_trainer_state(path):
+    path.write_text("[1, 2]")
+
+
+TAMPERED = {
+    "optimizer-with-code": (
+        "optimizer.bin",
+        _code_in_the_pickle,
+        r"optimizer\.bin: torch's weights-only loader refuses it, as it holds objects besides tensors "
+        r"\(Unsupported global: GLOBAL print",
+    ),
+    "scheduler-of-random-bytes": ("scheduler.pt", _random_bytes, r"scheduler\.pt: it is truncated or no torch file"),
+    "weights-of-random-bytes": (
+        "model.safetensors",
+        _random_bytes,
+        r"model\.safetensors: it is truncated or no safetensors file",
+    ),
+    "trainer-state-of-another-shape": (
+        "trainer_state.json",
+        _no_trainer_state,
+        r"trainer_state\.json is no trainer state \(TypeError",
+    ),
+}
+
+
+@pytest.mark.parametrize("name,tamper,message", TAMPERED.values(), ids=TAMPERED.keys())
+def test_a_tampered_checkpoint_that_matches_its_manifest_is_named_and_nothing_is_written(
+    run_copy, capsys, name, tamper, message
+):
+    """A file replaced together with its manifest entry, so that it verifies, but that `--resume` cannot read
+    (or that torch's weights-only loader refuses): with no other checkpoint, one line naming checkpoint and
+    file, exit status 2, and the run folder as it was."""
+    config, out = run_copy
+    for checkpoint in checkpoint_dirs(out):
+        tamper(checkpoint / name)
+        write_manifest(checkpoint)
+    before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    arguments = ["--output-dir", str(out), "--model", config.model, "--dataset", config.dataset, "--resume"]
+    arguments += [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
+    arguments += ["--block-size", "16", "--batch-size", "2", "--max-eval-blocks", "6", "--no-progress"]
+    arguments += ["--attention", config.attention, "--lr", str(config.lr), "--seed", "0"]
+    capsys.readouterr()
+    assert main(["finetune", *arguments]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in error
+    assert re.search(
+        r"^hf-softmax-rnn finetune: error: --resume: no checkpoint in .* is complete and intact \(checkpoint-0000004: "
+        + message,
+        error,
+    ), error
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == before
 
 
 def forget_rng_states(checkpoint):

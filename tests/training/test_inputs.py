@@ -2,15 +2,19 @@
 
 import dataclasses
 import json
+import random
 import re
 import shutil
 
 import huggingface_hub.constants
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
+from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from hf_softmax_rnn.training import trainer as trainer_module
@@ -251,6 +255,51 @@ BAD_SETTINGS = {
         dict(dataset="pydoc", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc': .* only a 'text' column; drop --text-column",
     ),
+    "warmup-longer-than-a-stage": (
+        dict(warmup_steps=15),
+        r"--warmup-steps 15 is longer than the state stage \(--state-steps 10\), whose learning rate would never "
+        r"reach its peak; use --warmup-steps <= 10",
+    ),
+    "retrieval-kept-without-retrieval-layers": (
+        dict(retrieval_layers=0, retrieval_kept=0),
+        r"--retrieval-kept 0 has no effect without retrieval layers \(--retrieval-layers is 0\); drop --retrieval-kept",
+    ),
+    "retrieval-kept-for-a-spec-without-kept": (
+        dict(attention="hedgehog_window_64", retrieval_kept=512),
+        r"--retrieval-kept 512 has no effect without retrieval layers",
+    ),
+    "dataset-config-for-pydoc": (
+        dict(dataset="pydoc", dataset_config="en"),
+        r"--dataset-config 'en' applies to a Hub dataset, and --dataset 'pydoc' names none .*; drop --dataset-config",
+    ),
+    "transfer-modules-without-a-transfer-stage": (
+        dict(transfer_modules=["rnn_params"]),
+        r"--transfer-modules \['rnn_params'\] has no effect without a transfer stage \(--transfer-steps is 0\)",
+    ),
+    "no-transfer-teacher-forcing-without-a-transfer-stage": (
+        dict(transfer_teacher_forcing=False),
+        r"^--no-transfer-teacher-forcing has no effect without a transfer stage",
+    ),
+    "long-eval-texts-without-long-eval": (
+        dict(long_eval_texts="books.txt"),
+        r"--long-eval-texts 'books\.txt' has no effect without --long-eval; drop --long-eval-texts",
+    ),
+    "generated-texts-without-generated-source": (
+        dict(generated_texts=6),
+        r"--generated-texts 6 has no effect without the 'generated' dataset source",
+    ),
+    "shuffle-buffer-without-streaming": (
+        dict(shuffle_buffer=1),
+        r"--shuffle-buffer 1 has no effect without --streaming \(loaded data is shuffled whole\)",
+    ),
+    "allow-inexact-resume-without-resume": (
+        dict(allow_inexact_resume=True),
+        r"^--allow-inexact-resume has no effect without --resume",
+    ),
+    "nul-byte-in-a-path": (
+        dict(dataset="data\0.txt"),
+        r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
+    ),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
@@ -280,11 +329,49 @@ def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(t
         dict(dataset="pydoc+data.jsonl", text_column="body"),
         dict(push_to_hub="someone/model", hub_private=True),
         dict(push_to_hub="model-name_1.0"),
+        dict(warmup_steps=10),
+        dict(retrieval_kept=4096),
+        dict(dataset="pydoc+someone/dataset", dataset_config="en"),
+        dict(transfer_steps=2, transfer_modules=["rnn_params"], transfer_teacher_forcing=False),
+        dict(long_eval=True, long_eval_texts="books.txt"),
+        dict(dataset="pydoc+generated", generated_texts=6),
+        dict(streaming=True, shuffle_buffer=1),
+        dict(resume=True, allow_inexact_resume=True),
     ],
-    ids=["pydoc-text-column", "file-source-reads-the-column", "private-push", "repo-without-owner"],
+    ids=[
+        "pydoc-text-column",
+        "file-source-reads-the-column",
+        "private-push",
+        "repo-without-owner",
+        "warmup-as-long-as-the-shortest-stage",
+        "retrieval-kept-of-the-recipes-retrieval-layers",
+        "dataset-config-of-a-hub-source",
+        "transfer-settings-with-a-transfer-stage",
+        "long-eval-settings-with-long-eval",
+        "generated-settings-with-the-generated-source",
+        "shuffle-buffer-when-streaming",
+        "inexact-resume-when-resuming",
+    ],
 )
 def test_consistent_settings_are_accepted(tmp_path, settings):
-    FinetuneConfig(output_dir=str(tmp_path), **settings)
+    config = FinetuneConfig(output_dir=str(tmp_path), **settings)
+    dataclasses.replace(config, overwrite=not config.resume)  # a config rebuilt from its fields stays valid
+
+
+def test_a_config_without_retrieval_layers_rebuilt_from_its_fields_stays_valid(tmp_path):
+    config = FinetuneConfig(output_dir=str(tmp_path), attention="hedgehog_window_64")
+    assert (config.retrieval_layers, config.retrieval_kept) == (0, 2048)
+    assert dataclasses.replace(config, resume=True).retrieval_kept == 2048
+
+
+def test_dataset_config_for_a_local_file_is_refused_before_anything_is_written(tiny_models, tmp_path, capsys):
+    data = tmp_path / "texts.jsonl"
+    data.write_text('{"text": "a line of text"}\n')
+    arguments = ["--output-dir", str(tmp_path / "out"), "--model", tiny_models["llama"], "--dataset", str(data)]
+    assert main(["finetune", *arguments, "--dataset-config", "en", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert f"error: --dataset-config 'en' applies to a Hub dataset, and --dataset '{data}' names none" in error
+    assert not (tmp_path / "out").exists()
 
 
 def test_spec_file_that_is_not_json_is_refused(tmp_path):
@@ -360,6 +447,60 @@ def test_diverging_run_stops_instead_of_training_on_nan(tiny_models, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_learning_rate_whose_step_overflows_is_reported_as_divergence(tiny_models, tmp_path, capsys):
+    """At lr 1e38 Adam's step (lr / (1 - beta1)) is beyond float32, which torch reports as an overflow: the run
+    stops as one that diverges does (at 1e30 the parameters become NaN), in one line with exit status 1."""
+    out = tmp_path / "out"
+    arguments = ["--output-dir", str(out), "--model", tiny_models["llama"], "--block-size", "16", "--batch-size", "2"]
+    arguments += ["--max-eval-blocks", "4", "--transfer-steps", "0", "--finetune-steps", "2", "--state-steps", "0"]
+    arguments += ["--attention", "softmax_divS_norm", "--finetune-method", "full", "--lr", "1e38", "--no-progress"]
+    assert main(["finetune", *arguments]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert re.search(
+        r"^hf-softmax-rnn finetune: error: Stage finetune: training diverged at step 1 \(the optimizer update is "
+        r"inf\); lower the learning rate \(1e\+38\)",
+        error,
+        re.MULTILINE,
+    ), error
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["batch_size", "eval_batch_size"])
+def test_a_batch_whose_logits_exceed_the_devices_memory_stops_before_the_weights_and_the_data_load(
+    tiny_models, tmp_path, monkeypatch, name
+):
+    def loaded(*args, **kwargs):
+        raise AssertionError("weights or data loaded before the batch was checked against the memory")
+
+    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
+    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
+    monkeypatch.setattr(trainer_module, "device_memory", lambda device: 10**6)
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", **{name: 200})
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(
+        UserInputError,
+        match=rf"^{flag} 200 needs at least 1,638,400 bytes for the logits of one batch \(200 blocks x 16 tokens x 128 "
+        rf"vocabulary entries x 4 bytes\), more than the 1,000,000 bytes of cpu; use {flag} <= 122$",
+    ):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_larger_than_the_training_data_stops_before_the_run_writes(tiny_models, tmp_path):
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(load_corpus()["train"]["text"][:2]))
+    config = tiny_config(tiny_models["llama"], tmp_path / "out", dataset=str(data), batch_size=100_000)
+    with pytest.raises(
+        UserInputError,
+        match=r"^--batch-size 100000 x 1 processes x --grad-accum 1 = 100000 blocks per step, more than the \d+ "
+        r"training blocks of 16 tokens \(--block-size, stage transfer\); use --batch-size <= \d+, more data or "
+        r"shorter blocks$",
+    ):
+        Finetuner(config)
+    assert not (tmp_path / "out").exists()
+
+
 def _broken_attention_type(folder):
     config = json.loads((folder / "config.json").read_text())
     config["attention"] = {**(config.get("attention") or {}), "kind": "linear", "feature_map": "elu"}
@@ -373,12 +514,77 @@ def _without_tokenizer(folder):
             path.unlink()
 
 
+def _config_says(**entries):
+    """A damage: config.json entries that contradict the weights beside it."""
+
+    def damage(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | entries))
+
+    return damage
+
+
+def _truncated_weights(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _random_weights(folder):
+    (folder / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+
+
+class _NotATensor:
+    """What torch's weights-only loader refuses: a pickle that calls a function when it loads."""
+
+    def __reduce__(self):
+        return print, ("loaded",)
+
+
+def _pickle_with_code(folder):
+    weights = folder / "model.safetensors"
+    torch.save({**load_file(weights), "extra": _NotATensor()}, folder / "pytorch_model.bin")
+    weights.unlink()
+
+
 BROKEN_MODEL_FOLDERS = {
     "attention-field-of-wrong-type": (
         _broken_attention_type,
         r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
     ),
     "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+    "config-with-a-layer-the-weights-lack": (
+        _config_says(num_hidden_layers=3),
+        r"its weights do not fit the model its config\.json describes \(num_hidden_layers=3, .*\): 9 weights it needs "
+        r"missing from the files \(model\.layers\.2\.input_layernorm\.weight, .*, and 5 more\)",
+    ),
+    "config-with-fewer-layers-than-the-weights": (
+        _config_says(num_hidden_layers=1),
+        r"its weights do not fit .*\(num_hidden_layers=1, .*\): 9 weights in the files it has no place for "
+        r"\(model\.layers\.1\.",
+    ),
+    "hidden-size-contradicting-the-weights": (
+        _config_says(hidden_size=64),
+        r"its weights do not fit .*\(.*hidden_size=64.*\): 20 weights of another shape "
+        r"\(model\.embed_tokens\.weight \[128, 32\] in the files, \[128, 64\] in the model",
+    ),
+    "vocab-size-contradicting-the-weights": (
+        _config_says(vocab_size=100),
+        r"its weights do not fit .*\(.*vocab_size=100\): 1 weight of another shape "
+        r"\(model\.embed_tokens\.weight \[128, 32\] in the files, \[100, 32\] in the model\)",
+    ),
+    "truncated-safetensors": (
+        _truncated_weights,
+        r"weight file '.*model/model\.safetensors' cannot be read: it is truncated or no safetensors file",
+    ),
+    "random-bytes-safetensors": (
+        _random_weights,
+        r"weight file '.*model/model\.safetensors' cannot be read: it is truncated or no safetensors file",
+    ),
+    "pickle-the-weights-only-loader-refuses": (
+        _pickle_with_code,
+        r"weight file '.*model/pytorch_model\.bin' cannot be read: torch's weights-only loader refuses it, as it "
+        r"holds objects besides tensors \(Unsupported global: GLOBAL print was not an allowed global",
+    ),
 }
 
 
@@ -394,7 +600,7 @@ def test_cli_reports_a_broken_model_folder_in_one_line(tiny_models, tmp_path, ca
     capsys.readouterr()
     assert main(arguments) == 2
     error = capsys.readouterr().err
-    assert "Traceback" not in error
+    assert "Traceback" not in error and "LOAD REPORT" not in error
     assert re.search(rf"^hf-softmax-rnn finetune: error: Model '.*model': {message}", error, re.MULTILINE), error
     assert not (tmp_path / "out").exists()
 

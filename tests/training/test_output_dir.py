@@ -8,7 +8,7 @@ import pytest
 
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.training import finetune
+from hf_softmax_rnn.training import Finetuner, finetune
 from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
 from hf_softmax_rnn.training.output_dir import LOCK_FILE, check_output_dir, claim_output_dir, read_marker
 from tests.training.helpers import tiny_config
@@ -130,3 +130,40 @@ def test_a_marked_run_folder_resumes_and_is_replaced_by_overwrite(tiny_models, t
     (out / "checkpoints" / "stale").write_text("from the first run")
     finetune(tiny_config(tiny_models["llama"], out, overwrite=True, **SHORT))
     assert not (out / "checkpoints" / "stale").exists()
+
+
+#: Paths of the kind a run does not write where it writes one: (name, is a folder, the flags that get past the
+#: other checks of the output folder).
+WRONG_KINDS = {
+    "checkpoints-file-in-a-run-folder": ("checkpoints", False, dict(resume=True)),
+    "checkpoints-file-in-another-folder": ("checkpoints", False, dict(overwrite=True)),
+    "metrics-folder-in-a-run-folder": ("metrics.jsonl", True, dict(resume=True)),
+    "model-weights-folder-in-another-folder": ("model.safetensors", True, dict(overwrite=True)),
+}
+
+
+@pytest.mark.parametrize("name,is_folder,flags", WRONG_KINDS.values(), ids=WRONG_KINDS.keys())
+def test_a_path_of_the_wrong_kind_where_the_run_writes_stops_it_before_training(
+    tiny_models, tmp_path, name, is_folder, flags
+):
+    """A file named `checkpoints` (or a folder where the run writes a file) would stop the run at its first
+    checkpoint or at the end, after training: it is refused before anything is written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if flags.get("resume"):
+        (out / ".hf_softmax_rnn_run.json").write_text('{"created_by": "hf_softmax_rnn", "finished": false}\n')
+    (out / name).mkdir() if is_folder else (out / name).write_text("not the run's")
+    before = sorted(p.name for p in out.iterdir())
+    kind = "a folder" if is_folder else "a file"
+    with pytest.raises(UserInputError, match=rf"holds {kind} '{re.escape(name)}' where the run writes "):
+        Finetuner(tiny_config(tiny_models["llama"], out, **SHORT, **flags))
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_overwrite_of_a_run_folder_removes_a_previous_runs_checkpoints_file(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".hf_softmax_rnn_run.json").write_text('{"created_by": "hf_softmax_rnn", "finished": false}\n')
+    (out / "checkpoints").write_text("not a folder")
+    finetune(tiny_config(tiny_models["llama"], out, overwrite=True, **SHORT))
+    assert checkpoint_dirs(out)

@@ -17,10 +17,12 @@ def _streamed_corpus(*args, **kwargs) -> DatasetDict:
 
 
 def test_streamed_dataset_trains_and_scores_the_same_held_out_blocks(tiny_models, tmp_path, monkeypatch):
-    settings = dict(transfer_steps=2, finetune_steps=2, shuffle_buffer=1)
+    settings = dict(transfer_steps=2, finetune_steps=2)
     loaded = finetune(tiny_config(tiny_models["llama"], tmp_path / "loaded", **settings))
     monkeypatch.setattr(trainer, "load_corpus", _streamed_corpus)
-    streamed = finetune(tiny_config(tiny_models["llama"], tmp_path / "streamed", streaming=True, **settings))
+    streamed = finetune(
+        tiny_config(tiny_models["llama"], tmp_path / "streamed", streaming=True, shuffle_buffer=1, **settings)
+    )
 
     assert streamed.evaluations["base"] == pytest.approx(loaded.evaluations["base"])
     assert streamed.evaluations["converted"] == pytest.approx(loaded.evaluations["converted"])
