@@ -33,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "hf_softmax_rnn.commands.evaluate",
         "perplexity by position and passkey retrieval of a model beside its original, on long texts",
     ),
+    "needles": (
+        "hf_softmax_rnn.commands.needles",
+        "needle-in-a-haystack retrieval in many forms (variants, templates, fillers), a model beside its original",
+    ),
     "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),
     "taylor-terms": (
         "hf_softmax_rnn.analysis.taylor_terms",
