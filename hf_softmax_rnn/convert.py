@@ -170,7 +170,7 @@ def convert(
     spec_or_preset: AttentionSpec | dict | str,
     layers: Iterable[int] | None = None,
     *,
-    attention_mode: str = "parallel",
+    attention_mode: str = "chunked",
     layer_attention: Mapping[int, AttentionSpec | dict | str] | None = None,
     **from_pretrained_kwargs,
 ) -> PreTrainedModel:
@@ -184,8 +184,8 @@ def convert(
             preset name (`hf_softmax_rnn.PRESETS`).
         layers: indices of the layers to convert; None converts all, the others keep exact
             softmax (a hybrid).
-        attention_mode: forward mode without cache for finite-state layers ("parallel" or
-            "chunked").
+        attention_mode: forward mode without cache for finite-state layers: "chunked" (the
+            default: no L x L matrix) or "parallel" (the masked L x L reference form).
         layer_attention: another spec for some converted layers, by index (for example a larger
             `kept` budget in the retrieval layers, `long_context.retrieval_layer_attention`).
         **from_pretrained_kwargs: passed to `from_pretrained` when loading from a path (dtype, ...).

@@ -4,8 +4,8 @@
 tensor a spec adds: gates, norm weight/bias, hedgehog maps, seqlen power), calls
 `hf_softmax_rnn.ops.attention` in the right mode and handles the cache:
 
-- no cache (training, scoring): mode `config.attention_mode` ("parallel" by default,
-  "chunked" for finite-state specs when asked);
+- no cache (training, scoring): mode `config.attention_mode` for finite-state specs ("chunked" by
+  default, "parallel" for the reference form), parallel for exact exp;
 - cache and a finite-state spec that fits (`spec.fits_recurrent_state(head_dim)`):
   prefill "chunked", decode "recurrent", carrying the `RecurrentState` in a
   `RecurrentStateLayer` of a `DynamicCache` or a `StaticRecurrentStateLayer` of a

@@ -4,7 +4,7 @@ A config class (a `@strict` subclass of `LlamaConfig` / `GPT2Config`) declares t
 
     attention: dict | str | AttentionSpec | None       # the spec of every layer (None = "softmax")
     layer_attention: dict | None                        # {layer_idx: spec} overrides (hybrids; None = none)
-    attention_mode: str = "parallel"                    # forward without cache: parallel | chunked
+    attention_mode: str = "chunked"                     # forward without cache: chunked | parallel (reference)
 
 and inherits `SoftmaxRNNConfigMixin` for the logic. Specs are validated by `AttentionSpec`
 (presets, dicts and specs all go through `AttentionSpec.coerce`) and stored as plain dicts

@@ -17,8 +17,8 @@ class SoftmaxRNNGPT2Config(SoftmaxRNNConfigMixin, GPT2Config):
         attention: the `AttentionSpec` of every layer, as a spec, a dict of its fields or a
             preset name (see `hf_softmax_rnn.PRESETS`); None = exact softmax. Stored as a dict.
         layer_attention: optional `{layer_idx: spec}` overrides (hybrids); string keys in JSON.
-        attention_mode: how layers with a finite state run without a cache: "parallel"
-            (default) or "chunked".
+        attention_mode: how layers with a finite state run without a cache: "chunked" (default)
+            or "parallel" (the masked L x L reference form).
 
     Every `GPT2Config` argument (n_embd, n_layer, n_head, ...) is accepted too; cross-attention
     (`add_cross_attention=True`) is not supported.
@@ -31,7 +31,7 @@ class SoftmaxRNNGPT2Config(SoftmaxRNNConfigMixin, GPT2Config):
 
     attention: dict | str | AttentionSpec | None = None
     layer_attention: dict | None = None
-    attention_mode: str = "parallel"
+    attention_mode: str = "chunked"
 
     def __post_init__(self, **kwargs):
         self.validate_attention()

@@ -18,8 +18,9 @@ class SoftmaxRNNLlamaConfig(SoftmaxRNNConfigMixin, LlamaConfig):
             preset name (see `hf_softmax_rnn.PRESETS`); None = exact softmax. Stored as a dict.
         layer_attention: optional `{layer_idx: spec}` overrides, e.g. to keep softmax in some
             layers (a hybrid). Keys are stored as strings (JSON).
-        attention_mode: how layers with a finite state run without a cache: "parallel"
-            (the masked L x L form, default) or "chunked" (no L x L matrix).
+        attention_mode: how layers with a finite state run without a cache: "chunked" (no L x L
+            matrix, linear in the length past the chunk; default) or "parallel" (the masked L x L
+            form, the reference).
 
     Every `LlamaConfig` argument (hidden_size, num_hidden_layers, ...) is accepted too.
 
@@ -31,7 +32,7 @@ class SoftmaxRNNLlamaConfig(SoftmaxRNNConfigMixin, LlamaConfig):
 
     attention: dict | str | AttentionSpec | None = None
     layer_attention: dict | None = None
-    attention_mode: str = "parallel"
+    attention_mode: str = "chunked"
 
     def __post_init__(self, **kwargs):
         self.validate_attention()

@@ -57,7 +57,7 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
 
         attention: dict | str | AttentionSpec | None = None
         layer_attention: dict | None = None
-        attention_mode: str = "parallel"
+        attention_mode: str = "chunked"
         if declares(family.config_class, "sliding_window"):
             sliding_window: int | None = None
 
