@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -165,6 +166,28 @@ def converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
     return chosen
 
 
+def _check_arguments(model_or_path, layer_attention, from_pretrained_kwargs: dict) -> None:
+    """Refuse arguments of the wrong kind before any model loads, naming them."""
+    if layer_attention is not None and not isinstance(layer_attention, Mapping):
+        raise TypeError(
+            "convert(layer_attention=...) must be None or a dict {layer index: spec}; got "
+            f"{type(layer_attention).__name__}"
+        )
+    if from_pretrained_kwargs and not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"convert() got {sorted(from_pretrained_kwargs)}, which go to from_pretrained when loading from a path; "
+            f"it was given a {type(model_or_path).__name__}: cast or move the model itself instead"
+        )
+    for name in ("dtype", "torch_dtype"):
+        dtype = from_pretrained_kwargs.get(name)
+        named = isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) or dtype == "auto" or named):
+            raise ValueError(
+                f"convert({name}={dtype!r}) is not allowed; expected 'auto', a torch dtype or its name "
+                "('float32', 'bfloat16', 'float16', ...)"
+            )
+
+
 def convert(
     model_or_path: PreTrainedModel | str | os.PathLike,
     spec_or_preset: AttentionSpec | dict | str,
@@ -204,6 +227,7 @@ def convert(
     and fine-tuning (attention transfer, then LM loss) recovers the rest.
     """
     spec = AttentionSpec.coerce(spec_or_preset)
+    _check_arguments(model_or_path, layer_attention, from_pretrained_kwargs)
     source = model_or_path
     if isinstance(source, (str, os.PathLike)):
         name = _existing_folder_or_hub_id(source)
@@ -211,6 +235,11 @@ def convert(
         source = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     config_class, model_class = _family(source)
     check_convertible(source.config)
+    if any(parameter.is_meta for parameter in source.parameters()):
+        raise ValueError(
+            f"convert() copies the weights of the model it is given, but this {type(source).__name__} has weights on "
+            "the meta device (no values); pass a model with its weights loaded, or its folder"
+        )
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
     if fields.get("sliding_window") is not None:  # set, but no layer slides (check_convertible)

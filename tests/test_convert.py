@@ -214,3 +214,38 @@ def test_a_converted_decay_starts_with_its_half_lives(family):
     lives = decay_half_lives(3).tolist()
     assert lives[0] == pytest.approx(512.0) and lives[-1] == pytest.approx(16384.0)
     assert decay_half_lives(1).item() == pytest.approx((512.0 * 16384.0) ** 0.5)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda model, path: convert(model, "linear_elu", layer_attention=["linear_elu"]),
+            TypeError,
+            r"convert\(layer_attention=...\) must be None or a dict \{layer index: spec\}; got list",
+        ),
+        (
+            lambda model, path: convert(path, "linear_elu", dtype="float77"),
+            ValueError,
+            r"convert\(dtype='float77'\) is not allowed; expected 'auto', a torch dtype or its name",
+        ),
+        (
+            lambda model, path: convert(model, "linear_elu", dtype=torch.bfloat16),
+            TypeError,
+            r"convert\(\) got \['dtype'\], which go to from_pretrained when loading from a path",
+        ),
+    ],
+    ids=["layer-attention-list", "dtype-name", "kwargs-with-a-model"],
+)
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(tmp_path, call, error, message):
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(error, match=message):
+        call(model, str(tmp_path))
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE))
+    with pytest.raises(ValueError, match=r"has weights on the meta device \(no values\); pass a model with its"):
+        convert(model, "linear_elu")
