@@ -92,7 +92,8 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         model, "generate", lambda input_ids, **kw: prompts.append(input_ids) or generate(input_ids, **kw)
     )
     result = passkey_retrieval(model, tok, FILLER, lengths=(260,), depths=(0.5,), trials=2, progress=False)
-    for prompt, answer in zip(prompts, result["answers"]):
+    assert len(prompts) == len(result["answers"]) == 2
+    for prompt, answer in zip(prompts, result["answers"], strict=True):
         ids = prompt
         with torch.no_grad():
             for _ in range(8):  # the full sequence each step, no cache

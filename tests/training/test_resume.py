@@ -133,9 +133,12 @@ def test_existing_checkpoints_need_resume(tiny_models, tmp_path):
 def test_resume_accepts_the_model_folder_spelt_another_way(tiny_models, tmp_path, monkeypatch):
     model = Path(tiny_models["llama"])
     config = tiny_config(str(model), tmp_path / "run", transfer_steps=2, finetune_steps=0)
-    finetune(config)
+    first = finetune(config)
+    trained = (tmp_path / "run" / "metrics.jsonl").read_text()
     monkeypatch.chdir(model.parent)
-    finetune(dataclasses.replace(config, model=f"./{model.name}/", resume=True))
+    resumed = finetune(dataclasses.replace(config, model=f"./{model.name}/", resume=True))
+    assert resumed.evaluations == first.evaluations  # the finished run's results, not a second run's
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == trained  # no step trained again
 
 
 def _saved_and_now(tmp_path, saved: str, now: str, **settings) -> list[str]:
