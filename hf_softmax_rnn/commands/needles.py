@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import types
 from pathlib import Path
 
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
@@ -27,6 +28,7 @@ from hf_softmax_rnn.long_context.needles import (
     FILLERS,
     TEMPLATES,
     VARIANTS,
+    check_needle_settings,
     needle_retrieval,
     needle_table,
     write_results,
@@ -73,8 +75,18 @@ def run(args: argparse.Namespace) -> str:
     names = {ORIGINAL: original, "model": options.model}
     if original.lower() == "none" or original == options.model:
         names = {"model": options.model}
-    for name in names.values():  # a name that names no model stops before any model loads
-        resolve_config(name)
+    for name in names.values():  # a name that names no model, or a setting it cannot take, stops before any loads
+        without_weights = types.SimpleNamespace(config=resolve_config(name))
+        check_needle_settings(
+            without_weights,
+            options.variants,
+            options.templates,
+            options.fillers,
+            options.lengths,
+            options.prompts,
+            options.seed,
+            options.past_max_positions,
+        )
     texts = load_eval_texts(options.texts) if "shakespeare" in options.fillers else None
     settings = dict(
         variants=options.variants,

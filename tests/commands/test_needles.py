@@ -60,7 +60,11 @@ def test_tables_of_a_model_beside_its_original(saved, tmp_path, capsys, finite_s
     ],
     ids=["variant", "length", "prompts", "model"],
 )
-def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, argv, message):
+def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, monkeypatch, argv, message):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("hf_softmax_rnn.commands.needles.resolve_model", no_loading)
     base = ["needles", "--model", saved["converted"], *SETTINGS, "--output", str(tmp_path / "out")]
     if argv[0] == "--variants":  # refused by the flag's choices
         with pytest.raises(SystemExit) as exit_status:
