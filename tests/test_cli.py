@@ -75,12 +75,13 @@ def test_library_modules_do_not_import_the_cli():
 def option_classes() -> dict[str, tuple[type, ...]]:
     """The dataclasses whose fields are the flags of each subcommand."""
     from hf_softmax_rnn.analysis import ablate, mqar_train, taylor_terms
-    from hf_softmax_rnn.commands import demo, evaluate
+    from hf_softmax_rnn.commands import demo, evaluate, needles
     from hf_softmax_rnn.training.config import FinetuneConfig
 
     return {
         "demo": (demo.DemoOptions,),
         "evaluate": (evaluate.EvaluateOptions,),
+        "needles": (needles.NeedlesOptions,),
         "finetune": (FinetuneConfig,),
         "mqar": (mqar_train.MQARSweep, mqar_train.MQARRun),
         "taylor-terms": (taylor_terms.TaylorTermsOptions,),

@@ -125,6 +125,8 @@ def test_modes_are_restored_after_scoring(byte_tok, monkeypatch):
     model, reference = _converted_pair("linear_elu")
     model.train()
     layers = softmax_rnn_attention_modules(model)
+    for layer in layers:  # the reference form, which scoring switches away from and back to
+        layer.set_attention_mode("parallel")
     seen = []
     monkeypatch.setattr(
         type(layers[0]), "forward", _recording(type(layers[0]).forward, lambda layer: seen.append(layer.attention_mode))
