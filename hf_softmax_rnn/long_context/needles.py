@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from hf_softmax_rnn.data.eval_texts import shakespeare_plays
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import check_within_positions
+from hf_softmax_rnn.long_context.passkey import greedy_answer
 from hf_softmax_rnn.long_context.positions import check_count
 
 logger = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ def needle_retrieval(
     try:
         for cell, prompt in tqdm(cases, desc="Needles", unit="prompt", disable=not progress):
             started = time.perf_counter()
-            answer = _answer(model, tokenizer, prompt.ids, VARIANTS[cell[0]].answer_tokens, device)
+            answer = greedy_answer(model, tokenizer, prompt.ids, VARIANTS[cell[0]].answer_tokens, device)
             correct = is_correct(answer, prompt.expected)
             names = dict(zip(_CELL_FIELDS, cell, strict=True))
             record = cells.setdefault(cell, {**names, "correct": 0, "prompts": 0, "tokens": 0, "seconds": 0.0})
@@ -296,19 +297,6 @@ def needle_retrieval(
     for record in cells.values():
         record["accuracy"] = record["correct"] / record["prompts"]
     return {"cells": list(cells.values()), "answers": answers}
-
-
-def _answer(model, tokenizer, ids: list[int], max_new_tokens: int, device) -> str:
-    input_ids = torch.tensor([ids], device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-    )
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
 
 
 def needle_table(results: dict[str, dict], by: str) -> str:

@@ -171,7 +171,7 @@ def passkey_retrieval(
             prompt_tokens = length - max_new_tokens
             offset = rng.randrange(0, len(stream) - prompt_tokens + 1)
             ids = passkey_prompt(tokenizer, stream[offset:], prompt_tokens, depth, key)
-            answer = _answer(model, tokenizer, ids, max_new_tokens, device)
+            answer = greedy_answer(model, tokenizer, ids, max_new_tokens, device)
             digits = re.search(r"\d+", answer)
             correct = bool(digits and digits.group() == str(key))
             answers.append({"length": length, "depth": depth, "key": key, "answer": answer, "correct": correct})
@@ -190,7 +190,8 @@ def passkey_retrieval(
     return {"lengths": results, "answers": answers}
 
 
-def _answer(model, tokenizer, ids: list[int], max_new_tokens: int, device) -> str:
+def greedy_answer(model, tokenizer, ids: list[int], max_new_tokens: int, device) -> str:
+    """The greedy continuation of the prompt `ids` through `generate` (the model's own cache), decoded."""
     input_ids = torch.tensor([ids], device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(

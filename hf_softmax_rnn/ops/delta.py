@@ -42,9 +42,14 @@ def unit_keys(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(unit keys u `[B, Hkv, L, F]`, written values n v' `[B, Hkv, L, Dv + 1]`, write strengths b
     `[B, Hkv, L]` zeroed where no key enters) from phi(k), the augmented values v' and b."""
-    norm = torch.linalg.vector_norm(key_features, dim=-1, keepdim=True)
-    unit = key_features / norm.clamp_min(_MIN_KEY_NORM)
-    return unit, values * norm, strength * values[..., -1]
+    unit, norm = _direction(key_features)
+    return unit, values * norm[..., None], strength * values[..., -1]
+
+
+def _direction(key_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi(k) / |phi(k)| `[..., F]`, |phi(k)| `[...]`); a key shorter than `_MIN_KEY_NORM` gives a (near) zero one."""
+    norm = torch.linalg.vector_norm(key_features, dim=-1)
+    return key_features / norm.clamp_min(_MIN_KEY_NORM)[..., None], norm
 
 
 def recurrent_delta_attention(
@@ -138,8 +143,7 @@ def parallel_delta_values(
     steps = strength.shape[-1]
     enters = enters & (entry < steps)
     at_entry = entry.clamp_max(steps - 1)
-    norm = torch.linalg.vector_norm(key_features, dim=-1)
-    unit = key_features / norm.clamp_min(_MIN_KEY_NORM)[..., None]
+    unit, norm = _direction(key_features)
     strength = strength.gather(-1, at_entry) * enters
     cumulative = torch.zeros_like(strength) if log_decay is None else log_decay.cumsum(-1).gather(-1, at_entry)
     earlier = (entry[..., None, :] < entry[..., :, None]) & enters[..., None, :] & enters[..., :, None]
