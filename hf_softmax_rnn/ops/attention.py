@@ -380,6 +380,7 @@ def _finite_state(
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
     entering_keys, entering = keys[..., :length, :], values[..., :length, :]
     is_sink, window_valid = None, valid
+    any_shift = spec.normalizer == "softmax"  # (it divides by the denominator: the exact part's shift cancels)
     if spec.sinks is not None or spec.kept is not None:
         ranks = visible_ranks(valid, state.t, spec.window)
     if spec.sinks is not None:
@@ -397,7 +398,7 @@ def _finite_state(
         if flex_inputs is None:
             query_valid = key_mask if spec.kept is not None else None
             band = banded_exp_attention(
-                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid
+                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid, any_shift
             )
             exact, row_max, saliency = (*band, None)[:3]
         elif spec.kept is not None:  # FlexAttention scores the window: the band only ranks its keys
@@ -417,6 +418,7 @@ def _finite_state(
                 spec,
                 window_scale,
                 fresh_state,
+                any_shift,
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
@@ -455,7 +457,20 @@ def _finite_state(
 
 
 def _kept_part(
-    q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale, fresh_state
+    q,
+    keys,
+    leaving_values,
+    ranks,
+    candidates,
+    saliency,
+    exact,
+    row_max,
+    state,
+    new_state,
+    spec,
+    scale,
+    fresh_state,
+    any_shift=False,
 ):
     """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
@@ -464,7 +479,8 @@ def _kept_part(
     sink) are the window buffer then the call's positions; `saliency` `[B, Hkv, W + L]` is the call's
     share of each key's saliency. A key ranks by the larger of its saliency and its predecessor's
     (`ops.kept`). From an empty state (`fresh_state`) nothing is kept before the call and the first W
-    leaving keys are the empty window buffer."""
+    leaving keys are the empty window buffer. `any_shift`: the spec's normaliser divides by the
+    denominator, so the exact part's shift may be a log-sum-exp (`ops.window`)."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
@@ -489,6 +505,7 @@ def _kept_part(
         spec.chunk_size,
         held_before=0 if fresh_state else None,
         first_candidate=window if fresh_state else 0,
+        any_shift=any_shift,
     )
     new_state.window_scores = saliency[..., -window:]
     new_state.left_score = saliency[..., length - 1]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_softmax_rnn.ops.window import blocked_exp, per_query, query_blocks
+from hf_softmax_rnn.ops.window import blocked_exp, flash_applies, flash_block_part, per_query, query_blocks
 
 
 def _ranks_above(scores: torch.Tensor, positions: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,8 @@ class KeptSelection:
 
     `keys` `[B, Hkv, L, D]`, `values` `[B, Hkv, L, Dv + 1]`: the key entering the finite state at each
     step (zeros where none does). `numerator` `[B, Hkv, G, L, Dv + 1]` and `row_max` `[B, Hkv, G, L, 1]`:
-    sum over the kept keys of e^{x - m} [v, 1] and m (-inf where a query has no kept key). The buffers
+    sum over the kept keys of e^{x - m} [v, 1] and m (-inf where a query has no kept key; with `any_shift`
+    m may be the log-sum-exp instead of the row max). The buffers
     `kept_keys`, `kept_values`, `kept_scores`, `kept_positions`, `kept_valid` are `[B, Hkv, K, ...]`.
     """
 
@@ -122,6 +123,7 @@ def select_kept(
     block: int,
     held_before: int | None = None,
     first_candidate: int = 0,
+    any_shift: bool = False,
 ) -> KeptSelection:
     """The kept keys of each step of a call, every step at once.
 
@@ -147,6 +149,8 @@ def select_kept(
         first_candidate: no leaving key before this step is a candidate (W from an empty state: the
             first W leaving keys are its empty window buffer). Both are bounds only: a block then scores
             about as many slots as it can hold at most (`_slot_groups`), instead of K.
+        any_shift: `row_max` may be any per-row shift (the caller's normaliser divides by the
+            denominator): the log-sum-exp of the fused CPU kernel where it applies (`ops.window`).
     """
     batch, kv_heads, length = q.shape[0], q.shape[1], q.shape[3]
     kept = buffers[0].shape[2]
@@ -173,6 +177,7 @@ def select_kept(
             scale,
             stop - first,
             block,
+            any_shift,
         )
         numerators.append(numerator)
         maxima.append(row_max)
@@ -317,11 +322,16 @@ def _blocked_exact_part(
     scale: float,
     blocks: int,
     block: int,
+    any_shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`masked_exp_part` of each block of C queries over its own N keys, all blocks in one product: q
+    """`masked_exp_part` of each block of C queries over its own N keys, all blocks in one product (with
+    `any_shift`, through the fused CPU kernel where it applies, under the log-sum-exp): q
     `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
     `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
     batch, kv_heads, groups, length, _ = q.shape
+    if any_shift and flash_applies(q, keys, values):
+        numerator, shift = flash_block_part(query_blocks(q, blocks, block), keys, values, visible, scale)
+        return per_query(numerator, groups, length), per_query(shift, groups, length)
     seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
     weights, shift = blocked_exp(query_blocks(q, blocks, block), keys.mT, seen, scale, groups)
     weights = weights.view(batch, kv_heads, blocks, groups * block, -1)

@@ -14,6 +14,13 @@ W positions before them (the window buffer of the state) and their own, block by
 block of C queries meets C + W keys, so time and memory are O(L (C + W)), never L x L.
 `window_saliency` runs its scores alone, for the saliencies that rank the window's keys (`ops.kept`)
 where another kernel computes the exact part itself.
+
+Without autograd on a CPU (prefill, scoring, evaluation), a block part whose scores are not needed
+otherwise (the window of a hybrid without kept keys; the kept keys' part, `ops.kept`) runs in PyTorch's
+fused CPU flash-attention kernel with the block mask (`flash_block_part`): one pass instead of five over
+a block's scores. It returns the log-sum-exp as the row's shift, which the merges and the finite part's
+weight take as they take the row max; so only where the normaliser divides by the denominator (the
+softmax normaliser: the others see the shift through their eps or their counts).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kernels import row_shift
+from hf_softmax_rnn.ops.kernels import finite_or_zero, row_shift
 
 
 def banded_exp_attention(
@@ -34,6 +41,7 @@ def banded_exp_attention(
     window: int,
     block: int,
     query_valid: torch.Tensor | None = None,
+    any_shift: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """sum over the window of exp(x - m) [v, 1] and m (and, with `query_valid`, each key's saliency).
 
@@ -46,13 +54,19 @@ def banded_exp_attention(
         query_valid: `[B, L]` bool, False for padding queries; given, the saliency of each key is
             returned as well: its largest window-softmax weight over these queries and the query heads
             of its KV head (`ops.kept`).
+        any_shift: the caller's normaliser divides by the denominator, so m may be any per-row shift
+            that keeps exp finite: without saliencies, the log-sum-exp of the fused CPU kernel
+            (`flash_block_part`) where it applies.
 
     Returns:
-        (`[B, Hkv, G, L, Dv']` window numerator, `[B, Hkv, G, L, 1]` row max m, detached; 0 where a
-        query sees no valid key) and with `query_valid` `[B, Hkv, W + L]` saliencies (detached).
+        (`[B, Hkv, G, L, Dv']` window numerator, `[B, Hkv, G, L, 1]` row max m (or with `any_shift` the
+        log-sum-exp), detached; 0 where a query sees no valid key) and with `query_valid` `[B, Hkv, W + L]`
+        saliencies (detached).
     """
     batch, kv_heads, groups, length, _ = q.shape
     block = max(1, min(block, length))
+    if any_shift and query_valid is None and flash_applies(q, keys, values):  # (saliencies need e^{x - m})
+        return _flash_band(q, keys, values, key_valid, scale, window, block)
     weights, row_max = _band_weights(q, keys, key_valid, scale, window, block)
     blocks, span = weights.shape[2], weights.shape[-1]
     value_blocks = _windows(F.pad(values, (0, 0, 0, blocks * block - length)), 2, span, block)
@@ -80,6 +94,16 @@ def window_saliency(
         return _saliency(weights.transpose(2, 3), query_valid, block, window, q.shape[-2])
 
 
+def _band_mask(key_valid: torch.Tensor, window: int, block: int, blocks: int) -> torch.Tensor:
+    """`[B, 1, blocks, C, C + W]` bool: key column j of a block's C + W keys is in the window of the
+    block's query row i (i < j <= i + W) and valid."""
+    span = block + window
+    valid_blocks = _windows(F.pad(key_valid, (0, blocks * block - key_valid.shape[-1] + window)), 1, span, block)
+    rows = torch.arange(block, device=key_valid.device)[:, None]
+    cols = torch.arange(span, device=key_valid.device)[None, :]
+    return ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, :]
+
+
 def _band_weights(
     q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scale: float, window: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +114,7 @@ def _band_weights(
     pad, span = blocks * block - length, block + window
     q = query_blocks(q, blocks, block)
     key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
-    valid_blocks = _windows(F.pad(key_valid, (0, pad)), 1, span, block)
-    rows = torch.arange(block, device=q.device)[:, None]
-    cols = torch.arange(span, device=q.device)[None, :]
-    visible = ((cols > rows) & (cols <= rows + window)) & valid_blocks[:, None, :, None, None, :]
+    visible = _band_mask(key_valid, window, block, blocks)[:, :, :, None]
     weights, row_max = blocked_exp(q, key_blocks, visible, scale, groups)
     return weights, row_max.view(batch, kv_heads, blocks, groups * block, 1)
 
@@ -115,6 +136,77 @@ def blocked_exp(
         return torch.exp(x - row_max), row_max
     row_max = row_shift(x.masked_fill_(~visible, float("-inf")))
     return x.sub_(row_max).exp_(), row_max
+
+
+def _flash_band(q, keys, values, key_valid, scale, window, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """`banded_exp_attention` without saliencies through `flash_block_part` (see `flash_applies`)."""
+    groups, length = q.shape[2], q.shape[3]
+    blocks = -(-length // block)
+    pad, span = blocks * block - length, block + window
+    key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block).mT  # [B, Hkv, blocks, C + W, D]
+    value_blocks = _windows(F.pad(values, (0, 0, 0, pad)), 2, span, block).mT
+    visible = _band_mask(key_valid, window, block, blocks)
+    numerator, shift = flash_block_part(query_blocks(q, blocks, block), key_blocks, value_blocks, visible, scale)
+    return per_query(numerator, groups, length), per_query(finite_or_zero(shift), groups, length)  # (as row_shift)
+
+
+def flash_applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `flash_block_part` can compute a block part of these inputs: on a CPU, without autograd
+    (the kernel returns the log-sum-exp without its gradient), with values one column (the weight
+    column) wider than the keys, as the kernel reads values of the keys' width, and a weight column of
+    ones and zeros, zero only on rows that are zero throughout (as `ops.attention` builds it: 0 at
+    padding and for a sink on its way to the finite state), so that a row of weight 0 is a row left out."""
+    if not (
+        q.device.type == "cpu"
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values)))
+        and values.shape[-1] == keys.shape[-1] + 1
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    ):
+        return False
+    weight = values[..., -1]
+    return bool(((weight == 1) | ((weight == 0) & ~values[..., :-1].any(-1))).all())
+
+
+def flash_block_part(
+    q_blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block part through PyTorch's fused CPU flash-attention kernel (no autograd; `flash_applies`).
+
+    Args:
+        q_blocks: `[B, Hkv, blocks, G * C, D]` (`query_blocks`).
+        keys, values: `[B, Hkv, blocks, N, D]` and `[B, Hkv, blocks, N, D + 1]`: each block's own keys and
+            augmented values, whose last (weight) column is 1 or 0, 0 only on rows that are 0 throughout
+            (those rows are left out).
+        visible: bool, `[B, 1 or Hkv, blocks, C, N]`: key j is visible to the block's query row c (the same
+            for the G query heads of a KV head).
+        scale: multiplier of q.k.
+
+    Returns:
+        (`[B, Hkv, blocks, G * C, D + 1]` numerator, `[B, Hkv, blocks, G * C, 1]` shift): the numerator under
+        the shift lse = log sum exp(x) of each row, so [softmax(x) v, 1]; a row that sees no key has numerator
+        0 and shift -inf, as `masked_exp_part` has it.
+    """
+    batch, kv_heads, blocks, rows, head_dim = q_blocks.shape
+    block, width = visible.shape[-2], keys.shape[-2]
+    groups = rows // block
+    flat = batch * kv_heads * blocks
+    visible = visible & (values[..., -1] != 0)[..., None, :]  # [B, Hkv, blocks, C, N]
+    mask = torch.zeros(visible.shape, dtype=q_blocks.dtype, device=q_blocks.device).masked_fill_(~visible, -torch.inf)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_blocks.reshape(flat, groups, block, head_dim),
+        keys.reshape(flat, 1, width, head_dim).expand(flat, groups, width, head_dim),
+        values[..., :head_dim].reshape(flat, 1, width, head_dim).expand(flat, groups, width, head_dim),
+        0.0,
+        False,
+        attn_mask=mask.view(flat, 1, block, width),
+        scale=scale,
+    )
+    seen = visible.any(-1)[:, :, :, None].expand(batch, kv_heads, blocks, groups, block)
+    seen = seen.reshape(*q_blocks.shape[:-1], 1)
+    out = out.reshape(q_blocks.shape).masked_fill_(~seen, 0.0)  # (a row that sees nothing: 0, never NaN)
+    numerator = torch.cat([out, seen.to(out.dtype)], dim=-1)
+    shift = lse.reshape(*q_blocks.shape[:-1], 1).masked_fill(~seen, -torch.inf)
+    return numerator, shift
 
 
 def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
@@ -150,8 +242,15 @@ def _saliency(weights: torch.Tensor, query_valid: torch.Tensor, block: int, wind
     queries = F.pad(query_valid, (0, blocks * block - length)).view(batch, 1, 1, blocks, block, 1)
     factor = queries / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)  # 0 at padding
     per_block = (weights * factor).amax(dim=(2, 4))  # [B, Hkv, blocks, C + W]: one pass over the weights
-    index = torch.arange(blocks, device=weights.device)[:, None] * block + torch.arange(span, device=weights.device)
-    out = weights.new_zeros(batch, kv_heads, blocks * block + window)
+    return _block_maxima(per_block, block, window, length)
+
+
+def _block_maxima(per_block: torch.Tensor, block: int, window: int, length: int) -> torch.Tensor:
+    """`[B, Hkv, W + L]` the largest of each key's values over the blocks that see it, from each block's
+    `[B, Hkv, blocks, C + W]` (block b's column j is key b * C + j)."""
+    batch, kv_heads, blocks, span = per_block.shape
+    index = torch.arange(blocks, device=per_block.device)[:, None] * block + torch.arange(span, device=per_block.device)
+    out = per_block.new_zeros(batch, kv_heads, blocks * block + window)
     out.scatter_reduce_(-1, index.flatten().expand(batch, kv_heads, -1), per_block.flatten(-2), "amax")
     return out[..., : window + length]
 

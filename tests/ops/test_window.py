@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention
+from hf_softmax_rnn.ops import kept as kept_module
+from hf_softmax_rnn.ops import window as window_module
 from hf_softmax_rnn.ops.softmax import softmax_attention_reference
 from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, mix_weight
 
@@ -394,3 +396,106 @@ def test_parallel_queries_over_more_keys_are_the_last_rows_of_the_full_call(pres
     torch.testing.assert_close(last, full[..., -3:, :], rtol=1e-9, atol=1e-10)
     softmax, _ = attention(q[..., -3:, :], k, gated_v, "softmax", attention_mask=mask)
     assert (last - softmax).abs().max() > 1e-3
+
+
+#: Hybrids whose exact part the fused CPU kernel may compute without autograd (softmax normaliser).
+FUSED_CPU_SPECS = {
+    "elu_w5": AttentionSpec(kind="linear", feature_map="elu", window=5, chunk_size=4),
+    "hedgehog_w4_sinks2_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=4, sinks=2, decay=True, chunk_size=3
+    ),
+    "elu_w3_kept4_sinks1": AttentionSpec(kind="linear", feature_map="elu", window=3, kept=4, sinks=1, chunk_size=4),
+    "hedgehog_w6_sinks1_kept5_decay": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=6, sinks=1, kept=5, decay=True, chunk_size=4
+    ),
+}
+
+
+def _counting_fused_calls(monkeypatch) -> list[int]:
+    """Count the calls of `ops.window.flash_block_part`, wherever the ops call it from."""
+    calls = []
+    fused = window_module.flash_block_part
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    for module in (window_module, kept_module):
+        monkeypatch.setattr(module, "flash_block_part", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(FUSED_CPU_SPECS))
+def test_the_fused_cpu_kernel_gives_the_block_forms_output(name, dtype, monkeypatch):
+    """Without autograd the exact part runs in PyTorch's fused CPU kernel, under the log-sum-exp; with
+    autograd the block forms run it under the row max: the same outputs and states, padding included."""
+    spec = FUSED_CPU_SPECS[name]
+    q, k, v, gate_logits = make_inputs(length=23, dtype=dtype)
+    params = as_params(make_params(spec, dtype=dtype))
+    gates = {"decay": F.logsigmoid(gate_logits["decay"])} if spec.decay else {}
+    mask = left_padding_mask(2, 23, [0, 5])
+    calls = _counting_fused_calls(monkeypatch)
+    with torch.no_grad():
+        fused, fused_state = attention(q, k, v, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
+    assert calls, "the fused CPU kernel did not run"
+    calls.clear()
+    leaf = q.clone().requires_grad_()
+    blocks, blocks_state = attention(leaf, k, v, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
+    assert not calls
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    rows = mask[:, None, :, None]
+    torch.testing.assert_close(fused * rows, blocks.detach() * rows, **tolerance)
+    torch.testing.assert_close(fused_state.packed, blocks_state.packed.detach(), **tolerance)
+
+
+def test_other_normalisers_keep_the_row_max(monkeypatch):
+    """A normaliser that sees the exact part's shift (layer norm's eps) never gets the log-sum-exp."""
+    spec = AttentionSpec(kind="linear", feature_map="elu", window=3, kept=2, normalizer="layer", chunk_size=4)
+    q, k, v, _ = make_inputs(length=12)
+    calls = _counting_fused_calls(monkeypatch)
+    with torch.no_grad():
+        attention(q, k, v, spec, mode="chunked", params=as_params(make_params(spec)))
+    assert not calls
+
+
+@pytest.mark.parametrize(
+    ("case", "applies"),
+    [("ones_and_zero_rows", True), ("a_weight_of_one_half", False), ("a_zero_weight_on_a_row_with_values", False),
+     ("values_as_wide_as_keys", False), ("autograd", False)],
+)  # fmt: skip
+def test_the_fused_cpu_kernel_takes_only_weight_columns_it_can_leave_out(case, applies):
+    q, keys = torch.randn(1, 2, 3, 6, 4), torch.randn(1, 2, 3, 5, 4)
+    values = torch.cat([torch.randn(1, 2, 3, 5, 4), torch.ones(1, 2, 3, 5, 1)], dim=-1)
+    values[..., 1, :] = 0.0  # a padding row: weight 0, values 0
+    if case == "a_weight_of_one_half":
+        values[..., 2, -1] = 0.5
+    elif case == "a_zero_weight_on_a_row_with_values":
+        values[..., 3, -1] = 0.0
+    elif case == "values_as_wide_as_keys":
+        values = values[..., :-1]
+    elif case == "autograd":
+        q.requires_grad_()
+    assert window_module.flash_applies(q, keys, values) is applies
+
+
+def test_the_fused_cpu_block_part_is_the_masked_exp_part():
+    """`flash_block_part` against `blocked_exp` in float64: the same numerator once both are taken to one
+    shift, a row that sees no key 0 with shift -inf, zero-weight rows left out."""
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, blocks, groups, block, width, dim = 2, 2, 3, 2, 4, 7, 5
+    q = torch.randn(batch, kv_heads, blocks, groups * block, dim, dtype=torch.float64, generator=generator)
+    keys = torch.randn(batch, kv_heads, blocks, width, dim, dtype=torch.float64, generator=generator)
+    values = torch.randn(batch, kv_heads, blocks, width, dim + 1, dtype=torch.float64, generator=generator)
+    values[..., -1] = 1.0
+    values[:, :, :, 2] = 0.0  # weight 0: left out
+    visible = torch.rand(batch, kv_heads, blocks, block, width, generator=generator) > 0.3
+    visible[0, 0, 0, 0] = False  # a row that sees nothing
+    numerator, shift = window_module.flash_block_part(q, keys, values, visible, 0.4)
+    seen = visible & (values[..., -1] != 0)[..., None, :]
+    weights, row_max = window_module.blocked_exp(q, keys.mT, seen[:, :, :, None], 0.4, groups)
+    want = weights.view(batch, kv_heads, blocks, groups * block, width) @ values
+    empty = ~seen.any(-1)[:, :, :, None].expand(-1, -1, -1, groups, -1).reshape(*shift.shape)
+    assert torch.equal(shift.isneginf(), empty) and not numerator[empty.squeeze(-1)].any()
+    got = numerator * torch.exp(shift - row_max.view(shift.shape)).nan_to_num(0.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
