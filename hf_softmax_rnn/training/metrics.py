@@ -15,6 +15,10 @@ import torch
 
 from hf_softmax_rnn.errors import UserInputError
 
+# Defined in `hf_softmax_rnn.utils` (model cards write durations too); imported here only to stay
+# importable from this module.
+from hf_softmax_rnn.utils import minutes_and_seconds  # noqa: F401
+
 try:
     import resource
 except ImportError:  # Windows
@@ -48,12 +52,6 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         peak["cuda_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return peak
-
-
-def minutes_and_seconds(seconds: float) -> str:
-    """583.4 -> "9 min 43 s"; 41.2 -> "41 s"."""
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 def memory_words(peak: dict[str, float]) -> str:
