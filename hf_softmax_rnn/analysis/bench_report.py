@@ -89,7 +89,7 @@ def plot_panels(
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for axis, (ylabel, series) in zip(axes[0], panels):
+    for axis, (ylabel, series) in zip(axes[0], panels, strict=True):
         for name, (xs, ys) in series.items():
             axis.plot(xs, ys, marker="o", label=name)
         axis.set_xscale("log", base=2)

@@ -241,7 +241,7 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
         for attention in attentions:
             points = sorted((x_of(r), r.accuracy) for r in results if r.attention == attention and keep(r))
             if points:
-                axis.plot(*zip(*points), marker="o", label=attention)
+                axis.plot(*zip(*points, strict=True), marker="o", label=attention)
         axis.set(xlabel=x_label, ylabel="test accuracy", title=title, ylim=(-0.02, 1.02))
         if log_x:
             axis.set_xscale("log")

@@ -705,7 +705,7 @@ class Finetuner:
         optimizer.zero_grad(set_to_none=True)
         names = sorted(totals)
         means = accelerator.reduce(torch.stack([totals[name] for name in names]), "mean")
-        return {**dict(zip(names, means.tolist())), **values}
+        return {**dict(zip(names, means.tolist(), strict=True)), **values}
 
 
 def finetune(config: FinetuneConfig) -> FinetuneResult:
