@@ -104,7 +104,7 @@ def test_every_page_is_in_the_navigation_and_every_entry_exists():
     assert sorted(nav) == pages
 
 
-PRODUCT = [ROOT / "README.md", *DOCS.rglob("*.md"), *(ROOT / "model_cards").rglob("*.md")]
+PRODUCT = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.rglob("*.md"), *(ROOT / "model_cards").rglob("*.md")]
 PRODUCT += [*(ROOT / "hf_softmax_rnn").rglob("*.py"), *(ROOT / "hf_softmax_rnn").rglob("*.md")]
 PRODUCT += [path for path in (ROOT / "scripts").iterdir() if path.is_file()]
 
