@@ -27,6 +27,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hf_softmax_rnn scripts tests docs/hooks.py
 	$(VENV)/bin/ruff format --check hf_softmax_rnn scripts tests docs/hooks.py
+	$(VENV)/bin/lint-imports
 
 # The documentation site (mkdocs.yml): strict, so any warning (a broken link, a renamed API, a docstring
 # griffe cannot read) fails the build, and is shown; builds offline.

@@ -12,8 +12,7 @@ from hf_softmax_rnn.models import (
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
-
-__version__ = "0.1.0"
+from hf_softmax_rnn.version import __version__
 
 __all__ = [
     "PRESETS",

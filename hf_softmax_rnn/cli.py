@@ -1,7 +1,7 @@
 """`hf-softmax-rnn` console script: one subcommand per job, each in its own module.
 
 A subcommand module defines `add_arguments(parser)` (its flags, built from the fields of
-its settings dataclasses, which hold each flag's help: `commands/arguments.py`) and
+its settings dataclasses, which hold each flag's help: `hf_softmax_rnn/flags.py`) and
 `run(args) -> str | None`, which returns its report (printed here, exit status 0); it is
 imported only when its subcommand runs, so `--help` stays fast. The environment settings and
 output folders are checked (`check_environment`, `check_output_folders`) before a subcommand
@@ -18,8 +18,9 @@ import logging
 import sys
 from types import ModuleType
 
-from hf_softmax_rnn.commands.arguments import DefaultsFormatter, check_environment, check_output_folders
+from hf_softmax_rnn.commands.arguments import check_environment, check_output_folders
 from hf_softmax_rnn.errors import CommandError, UserInputError
+from hf_softmax_rnn.flags import DefaultsFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "hf_softmax_rnn.commands.needles",
         "needle-in-a-haystack retrieval in many forms (variants, templates, fillers), a model beside its original",
     ),
-    "mqar": ("hf_softmax_rnn.analysis.mqar_train", "train small models on multi-query associative recall"),
+    "mqar": ("hf_softmax_rnn.commands.mqar", "train small models on multi-query associative recall"),
     "taylor-terms": (
-        "hf_softmax_rnn.analysis.taylor_terms",
+        "hf_softmax_rnn.commands.taylor_terms",
         "mean |x^n/n!| of the attention scores per layer and order",
     ),
-    "ablate": ("hf_softmax_rnn.analysis.ablate", "train small models from scratch, one per variant group of the paper"),
+    "ablate": ("hf_softmax_rnn.commands.ablate", "train small models from scratch, one per variant group of the paper"),
 }
 #: Exceptions reported as one line (exit status: their `exit_code`, else 2).
 REPORTED_ERRORS = (UserInputError, CommandError, OSError)

@@ -71,7 +71,7 @@ def static_cache_from(
             f"the cache has {len(cache.layers)} layers but the config describes {len(static.layers)}; pass the config "
             "of the model that filled the cache"
         )
-    for index, (source, target) in enumerate(zip(cache.layers, static.layers)):
+    for index, (source, target) in enumerate(zip(cache.layers, static.layers, strict=True)):
         if isinstance(source, RecurrentStateLayer) and isinstance(target, StaticRecurrentStateLayer):
             if source.state is None:
                 raise ValueError(f"layer {index} of the cache holds no state yet: {_PREFILL_FIRST}")

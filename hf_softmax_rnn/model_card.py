@@ -15,9 +15,9 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from hf_softmax_rnn import __version__
 from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.training.metrics import minutes_and_seconds
+from hf_softmax_rnn.utils import minutes_and_seconds
+from hf_softmax_rnn.version import __version__
 
 TEMPLATE_PATH = Path(__file__).parent / "model_cards" / "softmax_rnn_model.md"
 PAPER_URL = "https://arxiv.org/abs/2507.23632"

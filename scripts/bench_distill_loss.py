@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from hf_softmax_rnn.analysis.bench_report import device_or_exit, hardware_name
+from hf_softmax_rnn.analysis.bench_report import device_or_exit
 from hf_softmax_rnn.training.distill import distillation_loss, distillation_loss_reference
+from hf_softmax_rnn.utils import hardware_name
 
 FORMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "reference": distillation_loss_reference,

@@ -54,13 +54,13 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from hf_softmax_rnn import PRESETS
-from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.decoding import GraphedDecodeStep
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.cache import cache_nbytes
 from hf_softmax_rnn.models.configuration_softmax_rnn import SoftmaxRNNConfigMixin
+from hf_softmax_rnn.utils import resolve_device
 
 logger = logging.getLogger("bench_generate")
 

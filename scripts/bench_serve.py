@@ -44,13 +44,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, Cache, DynamicCache
 from hf_softmax_rnn.analysis.bench_report import (
     check_model_flags,
     device_or_exit,
-    hardware_name,
     plot_panels,
     write_bench_report,
 )
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.decoding import GraphedDecodeStep, static_cache_from
 from hf_softmax_rnn.layers.cache import cache_nbytes
+from hf_softmax_rnn.utils import hardware_name
 
 logger = logging.getLogger("bench_serve")
 

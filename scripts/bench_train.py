@@ -55,13 +55,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hf_softmax_rnn.analysis.bench_report import (
     check_model_flags,
     device_or_exit,
-    hardware_name,
     plot_panels,
     write_bench_report,
 )
 from hf_softmax_rnn.analysis.step_profile import StepProfile, plot_profiles, profile_step, profile_table
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.ops import backends
+from hf_softmax_rnn.utils import hardware_name
 
 logger = logging.getLogger("bench_train")
 

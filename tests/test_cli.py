@@ -74,8 +74,9 @@ def test_library_modules_do_not_import_the_cli():
 
 def option_classes() -> dict[str, tuple[type, ...]]:
     """The dataclasses whose fields are the flags of each subcommand."""
-    from hf_softmax_rnn.analysis import ablate, mqar_train, taylor_terms
-    from hf_softmax_rnn.commands import demo, evaluate, needles
+    from hf_softmax_rnn.analysis.ablate import AblationBudget
+    from hf_softmax_rnn.analysis.mqar_train import MQARRun
+    from hf_softmax_rnn.commands import ablate, demo, evaluate, mqar, needles, taylor_terms
     from hf_softmax_rnn.training.config import FinetuneConfig
 
     return {
@@ -83,9 +84,9 @@ def option_classes() -> dict[str, tuple[type, ...]]:
         "evaluate": (evaluate.EvaluateOptions,),
         "needles": (needles.NeedlesOptions,),
         "finetune": (FinetuneConfig,),
-        "mqar": (mqar_train.MQARSweep, mqar_train.MQARRun),
+        "mqar": (mqar.MQARSweep, MQARRun),
         "taylor-terms": (taylor_terms.TaylorTermsOptions,),
-        "ablate": (ablate.AblateOptions, ablate.AblationBudget),
+        "ablate": (ablate.AblateOptions, AblationBudget),
     }
 
 

@@ -137,7 +137,9 @@ def test_new_parameters_start_at_their_documented_initialisation(family):
     assert len(params) == 3
     for module in params:
         expected = RNNParams(AttentionSpec.from_preset("gated_softmax"), 4, module.input_gate.out_features, 8, 32)
-        assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), expected.state_dict().values()))
+        assert all(
+            torch.equal(a, b) for a, b in zip(module.state_dict().values(), expected.state_dict().values(), strict=True)
+        )
 
 
 @pytest.mark.parametrize(

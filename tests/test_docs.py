@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +104,7 @@ def test_every_page_is_in_the_navigation_and_every_entry_exists():
     assert sorted(nav) == pages
 
 
-PRODUCT = [ROOT / "README.md", *DOCS.rglob("*.md"), *(ROOT / "model_cards").rglob("*.md")]
+PRODUCT = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.rglob("*.md"), *(ROOT / "model_cards").rglob("*.md")]
 PRODUCT += [*(ROOT / "hf_softmax_rnn").rglob("*.py"), *(ROOT / "hf_softmax_rnn").rglob("*.md")]
 PRODUCT += [path for path in (ROOT / "scripts").iterdir() if path.is_file()]
 
@@ -111,3 +116,27 @@ def test_the_product_does_not_say_in_which_working_session_it_was_made():
     }
     assert len(PRODUCT) > 50 and "README.md" in said
     assert {path: count for path, count in said.items() if count} == {}, "state the date, commit and machine instead"
+
+
+PACKAGE = ROOT / "hf_softmax_rnn"
+
+
+def _layout_section() -> str:
+    """Section 7 of the design page: the table of which file owns what, and the list of layers."""
+    return (DOCS / "design.md").read_text().split("## 7. Layout of the package")[1].split("\n## ")[0]
+
+
+def test_the_design_layout_names_every_module_of_the_package_and_only_those():
+    first_cells = re.findall(r"^\| (.+?) \|", _layout_section(), re.MULTILINE)
+    named = {path for cell in first_cells for path in re.findall(r"`([\w/.]+)`", cell)}
+    parts = {f"{path.name}/" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    parts |= {path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
+    assert sorted(part for part in parts if not any(name.startswith(part) for name in named)) == []
+    assert sorted(name for name in named if not (PACKAGE / name).exists()) == []
+
+
+def test_the_design_layers_are_the_import_contract():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [contract["layers"] for contract in contracts if contract["type"] == "layers"]
+    lines = re.findall(r"^\d+\. (.+)$", _layout_section(), re.MULTILINE)
+    assert [" | ".join(re.findall(r"`(\w+)`", line)) for line in lines] == layers

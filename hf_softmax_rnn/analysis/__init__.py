@@ -1,4 +1,5 @@
-"""The paper's experiments at small scale: MQAR training, Taylor-term magnitudes, ablations.
+"""The paper's experiments at small scale: MQAR training, Taylor-term magnitudes, ablations; and what the
+benchmark scripts share (report files, step profiles).
 
-Each experiment module is also a `hf-softmax-rnn` subcommand (`add_arguments`, `run`).
+Their subcommands (`mqar`, `taylor-terms`, `ablate`) are in `hf_softmax_rnn.commands`.
 """

@@ -1,4 +1,5 @@
-"""`hf-softmax-rnn ablate`: small Llamas trained from scratch, one per variant group of the paper.
+"""Small Llamas trained from scratch, one per variant group of the paper: the computation of
+`hf-softmax-rnn ablate` (its flags and run: `hf_softmax_rnn.commands.ablate`).
 
 Every variant gets the same architecture, data (byte-level text of the offline corpus, or
 `--dataset`), seeds and step budget; only the attention spec differs. Writes, under
@@ -14,31 +15,21 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
-from hf_softmax_rnn.analysis.small_models import (
-    DEVICE_HELP,
-    THREADS_HELP,
-    batches,
-    check_at_least,
-    check_positive,
-    check_seeds,
-    check_width,
-    resolve_device,
-    set_threads,
-    small_llama,
-    train_steps,
-)
-from hf_softmax_rnn.commands.arguments import SHOWN_DEFAULT, add_dataclass_arguments, option
+from hf_softmax_rnn.analysis.small_models import batches, check_width, small_llama, train_steps
+from hf_softmax_rnn.attention_spec import AttentionSpec
+from hf_softmax_rnn.data.corpus import pack_texts
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import next_token_nll
+from hf_softmax_rnn.flags import option
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
+from hf_softmax_rnn.utils import check_at_least, check_positive, check_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -109,21 +100,6 @@ QUICK_BUDGET = AblationBudget(
 )
 
 
-@dataclass(frozen=True)
-class AblateOptions:
-    """What `ablate` trains and where (each field is the flag of the same name; the sizes are `AblationBudget`)."""
-
-    variants: list[str] = option(
-        list(VARIANTS), f"names from {list(VARIANTS)} or preset names", shown_default="every variant"
-    )
-    quick: bool = option(False, "CI size: tiny model, a few steps, one seed")
-    dataset: str | None = option(None, "corpus for load_corpus (default: the offline pydoc corpus)")
-    device: str = option("auto", DEVICE_HELP)
-    threads: int | None = option(None, THREADS_HELP)
-    output_dir: Path = option(Path("runs/ablate"), "folder for the tables and plot")
-    no_progress: bool = option(False, "no progress bars")
-
-
 @dataclass
 class AblationRun:
     variant: str
@@ -150,8 +126,6 @@ def variant_spec(name: str) -> AttentionSpec:
 
 def token_blocks(texts, tokenizer, seq_len: int) -> torch.Tensor:
     """`[N, seq_len]` token ids of the packed texts."""
-    from hf_softmax_rnn.data.corpus import pack_texts
-
     packed = pack_texts(texts, tokenizer, seq_len)
     if len(packed) == 0:
         raise UserInputError(f"The corpus has fewer than seq_len={seq_len} tokens; lower --seq-len")
@@ -305,58 +279,3 @@ def plot_curves(runs: list[AblationRun], path: Path, title: str) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
-
-
-# ---------------------------------------------------------------------------------- CLI
-def add_arguments(parser) -> None:
-    """The flags of `AblateOptions` and `AblationBudget`; a size flag left out takes the default or the
-    `--quick` budget's value (both shown in `--help`)."""
-    add_dataclass_arguments(parser, AblateOptions)
-    sizes = add_dataclass_arguments(parser, AblationBudget, defaults={name: None for name in asdict(QUICK_BUDGET)})
-    default, quick = asdict(AblationBudget()), asdict(QUICK_BUDGET)
-    for action in sizes:
-        setattr(action, SHOWN_DEFAULT, f"{_shown(default[action.dest])}; --quick: {_shown(quick[action.dest])}")
-
-
-def _shown(value):
-    """A budget value as `--help` shows it."""
-    return "all" if value is None else list(value) if isinstance(value, tuple) else value
-
-
-def budget_from_args(args) -> AblationBudget:
-    """The default (or quick) budget with every size flag given on the command line applied."""
-    base = QUICK_BUDGET if args.quick else AblationBudget()
-    overrides = {name: getattr(args, name) for name in asdict(base) if getattr(args, name, None) is not None}
-    if "seeds" in overrides:
-        overrides["seeds"] = tuple(overrides["seeds"])
-    return replace(base, **overrides)
-
-
-def run(args) -> str:
-    from hf_softmax_rnn.data.corpus import load_corpus
-
-    set_threads(args.threads)
-    for name in args.variants:
-        variant_spec(name)
-    budget = budget_from_args(args)
-    device = resolve_device(args.device)
-    tokenizer = byte_tokenizer()
-    corpus = load_corpus(args.dataset)
-    train, test = (token_blocks(corpus[split], tokenizer, budget.seq_len) for split in ("train", "test"))
-    logger.info("%d train and %d held-out blocks of %d bytes; budget %s", len(train), len(test), budget.seq_len, budget)
-    runs = []
-    progress = not args.no_progress
-    for name in tqdm(args.variants, desc="Variants", disable=not progress):
-        for seed in budget.seeds:
-            runs.append(train_variant(name, train, test, budget, seed, device=device, progress=progress))
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    write_csvs(runs, args.output_dir)
-    table = summary_table(runs)
-    (args.output_dir / "ablation.md").write_text(table)
-    title = (
-        f"d_model={budget.d_model}, {budget.num_layers} layers, "
-        f"{budget.steps} steps x {budget.batch_size} x {budget.seq_len} bytes"
-    )
-    plot = plot_curves(runs, args.output_dir / "loss_curves.png", title)
-    written = (args.output_dir / "ablation.md", args.output_dir / "ablation.csv", args.output_dir / "curves.csv", plot)
-    return table + "\nWrote " + " ".join(map(str, written))

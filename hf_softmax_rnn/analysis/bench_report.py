@@ -15,14 +15,22 @@ from typing import Any
 
 import torch
 
+from hf_softmax_rnn.attention_spec import PRESETS
+from hf_softmax_rnn.errors import UserInputError
+
+# Defined in `hf_softmax_rnn.utils` (the trainer names its hardware too); imported here only to stay
+# importable from this module.
+from hf_softmax_rnn.utils import (
+    hardware_name,  # noqa: F401
+    resolve_device,
+)
+
 logger = logging.getLogger(__name__)
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: Sequence[str]) -> None:
     """Stop with one line (exit status 2) on `counts` flags below 1, --layers below 1, an unknown preset
     or a --model folder without a config.json, before anything is loaded."""
-    from hf_softmax_rnn.attention_spec import PRESETS
-
     for flag in counts:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not allowed; expected an int >= 1")
@@ -37,19 +45,11 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def device_or_exit(script: str, name: str) -> torch.device:
     """`name` as a device this machine has, or one line (exit status 2) saying why not."""
-    from hf_softmax_rnn.analysis.small_models import resolve_device
-    from hf_softmax_rnn.errors import UserInputError
-
     try:
         resolve_device(name)
     except UserInputError as error:  # argparse's one line and exit status, as for the other flags
         argparse.ArgumentParser(prog=script, usage=argparse.SUPPRESS, add_help=False).error(str(error))
     return torch.device(name)
-
-
-def hardware_name(device: torch.device) -> str:
-    """The GPU's name, or the number of CPU threads torch uses."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
 
 
 def write_bench_report(
@@ -89,7 +89,7 @@ def plot_panels(
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for axis, (ylabel, series) in zip(axes[0], panels):
+    for axis, (ylabel, series) in zip(axes[0], panels, strict=True):
         for name, (xs, ys) in series.items():
             axis.plot(xs, ys, marker="o", label=name)
         axis.set_xscale("log", base=2)

@@ -1,4 +1,5 @@
-"""`hf-softmax-rnn mqar`: train small models on multi-query associative recall (docs/design.md, section 9).
+"""Small models trained on multi-query associative recall (docs/design.md, section 9), the computation of
+`hf-softmax-rnn mqar` (its flags and run: `hf_softmax_rnn.commands.mqar`).
 
 For every (d_model, K, attention spec) a 2-layer Llama is trained from scratch on MQAR with
 K key-value pairs and scored on a held-out set (accuracy at the value positions). The
@@ -13,32 +14,19 @@ import csv
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_softmax_rnn import AttentionSpec
-from hf_softmax_rnn.analysis.small_models import (
-    DEVICE_HELP,
-    THREADS_HELP,
-    batches,
-    check_at_least,
-    check_positive,
-    check_seed,
-    check_width,
-    resolve_device,
-    scored_loss,
-    selected_logits,
-    set_threads,
-    small_llama,
-    train_steps,
-)
-from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
+from hf_softmax_rnn.analysis.small_models import batches, scored_loss, selected_logits, small_llama, train_steps
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.data.mqar import IGNORE_INDEX, MQARConfig, mqar_splits
-from hf_softmax_rnn.errors import UserInputError, user_input_checks
+from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.flags import option
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
+from hf_softmax_rnn.utils import check_at_least, check_positive, check_seed
 
 logger = logging.getLogger(__name__)
 
@@ -81,22 +69,6 @@ class MQARRun:
             raise UserInputError(
                 f"--target-accuracy={self.target_accuracy!r} is not allowed; expected a number in (0, 1]"
             )
-
-
-@dataclass(frozen=True)
-class MQARSweep:
-    """What `mqar` compares and where it runs (each field is the flag of the same name)."""
-
-    attention: list[str] = option(list(DEFAULT_SPECS), "attention presets to compare")
-    d_model: list[int] = option([64], "model widths (state size grows with it)")
-    num_kv_pairs: list[int] = option([4, 8, 16], "K values, one model per K")
-    seq_len: int = option(64, "tokens per sequence (>= 4 K)")
-    vocab_size: int = option(256, "Zoology uses 8192; a small vocab trains faster on CPU")
-    power_a: float = option(0.01, "a > 0: query slot i has weight (i+1)^(a-1); small a favours short gaps")
-    device: str = option("auto", DEVICE_HELP)
-    threads: int | None = option(None, THREADS_HELP)
-    output_dir: Path = option(Path("runs/mqar"), "folder for the results and plots")
-    no_progress: bool = option(False, "no progress bars")
 
 
 @dataclass
@@ -269,7 +241,7 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
         for attention in attentions:
             points = sorted((x_of(r), r.accuracy) for r in results if r.attention == attention and keep(r))
             if points:
-                axis.plot(*zip(*points), marker="o", label=attention)
+                axis.plot(*zip(*points, strict=True), marker="o", label=attention)
         axis.set(xlabel=x_label, ylabel="test accuracy", title=title, ylim=(-0.02, 1.02))
         if log_x:
             axis.set_xscale("log")
@@ -280,43 +252,3 @@ def plot_results(results: list[MQARResult], directory: Path) -> list[Path]:
         plt.close(figure)
         paths.append(directory / name)
     return paths
-
-
-# ---------------------------------------------------------------------------------- CLI
-def add_arguments(parser) -> None:
-    """The flags of `MQARSweep` and `MQARRun`."""
-    add_dataclass_arguments(parser, MQARSweep)
-    add_dataclass_arguments(parser, MQARRun)
-
-
-def _tasks(args) -> list[MQARConfig]:
-    """One task per K, every model width and attention checked first (before anything runs)."""
-    for d_model in args.d_model:
-        check_width(d_model, args.num_heads)
-    with user_input_checks(ValueError, TypeError):
-        for name in args.attention:
-            AttentionSpec.coerce(name)
-        return [
-            MQARConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, num_kv_pairs=k, power_a=args.power_a)
-            for k in args.num_kv_pairs
-        ]
-
-
-def run(args) -> str:
-    set_threads(args.threads)
-    budget = MQARRun(**{field.name: getattr(args, field.name) for field in fields(MQARRun)})
-    tasks = _tasks(args)
-    device = resolve_device(args.device)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for d_model in args.d_model:
-        for task in tasks:
-            for attention in args.attention:
-                results.append(
-                    train_mqar(attention, task, d_model, budget, device=device, progress=not args.no_progress)
-                )
-                write_csv(results, args.output_dir / "results.csv")
-    write_table(results, args.output_dir / "results.md")
-    plots = plot_results(results, args.output_dir)
-    written = (args.output_dir / "results.md", args.output_dir / "results.csv", *plots)
-    return (args.output_dir / "results.md").read_text() + "\nWrote " + " ".join(map(str, written))

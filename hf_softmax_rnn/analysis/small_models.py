@@ -7,64 +7,30 @@ variant, only the attention spec changes.
 from __future__ import annotations
 
 import math
-import numbers
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from hf_softmax_rnn import AttentionSpec, SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.models.llama import SoftmaxRNNLlamaConfig, SoftmaxRNNLlamaForCausalLM
 from hf_softmax_rnn.training.optim import weight_decay_groups
 
-#: Help of the flags that every experiment shares.
-DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
-THREADS_HELP = "torch CPU threads (default: torch's choice)"
-
-
-def check_at_least(flag: str, value: float | None, minimum: int = 1) -> None:
-    """Refuse `value` below `minimum` (None passes: the flag was not given)."""
-    if value is not None and not value >= minimum:
-        kind = "an int" if isinstance(value, int) else "a number"
-        raise UserInputError(f"{flag}={value!r} is not allowed; expected {kind} >= {minimum}")
-
-
-def check_positive(flag: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise UserInputError(f"{flag}={value!r} is not allowed; expected a number > 0")
-
-
-#: Seeds that every generator of the package accepts (numpy's refuse negatives; finetune's `seed` has the same range).
-SEED_RANGE = range(2**32)
-_SEED_RANGE_TEXT = "from 0 to 2**32 - 1"
-
-
-def _is_seed(seed) -> bool:
-    return isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed in SEED_RANGE
-
-
-def check_seed(flag: str, seed: int) -> None:
-    """Refuse a seed outside `SEED_RANGE`."""
-    if not _is_seed(seed):
-        raise UserInputError(f"{flag}={seed!r} is not allowed; expected an int {_SEED_RANGE_TEXT}")
-
-
-def check_seeds(flag: str, seeds: Sequence[int]) -> None:
-    """One run per seed: at least one seed, each in `SEED_RANGE`, none repeated (a repeat would be the
-    same run counted twice, shown as if it were an independent seed)."""
-    given = f"{flag} {' '.join(map(str, seeds))}"
-    if not seeds:
-        raise UserInputError(f"{flag} is empty; expected at least one seed")
-    bad = next((seed for seed in seeds if not _is_seed(seed)), None)
-    if bad is not None:
-        raise UserInputError(f"{given} has seed {bad!r}, which is not allowed; expected ints {_SEED_RANGE_TEXT}")
-    repeated = [seed for seed, count in Counter(seeds).items() if count > 1]
-    if repeated:
-        shown = ", ".join(map(str, repeated))
-        raise UserInputError(
-            f"{given} repeats seed {shown}; expected distinct seeds (each seed is one independent run)"
-        )
+# The range checks, devices and threads the experiments share are defined in `hf_softmax_rnn.utils`;
+# all but check_at_least are imported here only to stay importable from this module.
+from hf_softmax_rnn.utils import (  # noqa: F401
+    DEVICE_HELP,
+    SEED_RANGE,
+    THREADS_HELP,
+    available_devices,
+    check_at_least,
+    check_positive,
+    check_seed,
+    check_seeds,
+    resolve_device,
+    set_threads,
+)
 
 
 def check_width(d_model: int, num_heads: int) -> None:
@@ -73,13 +39,6 @@ def check_width(d_model: int, num_heads: int) -> None:
     check_at_least("--num-heads", num_heads)
     if d_model % num_heads:
         raise UserInputError(f"--d-model={d_model} is not divisible by --num-heads={num_heads}")
-
-
-def set_threads(threads: int | None) -> None:
-    """`torch.set_num_threads(threads)`, unless None (torch's choice)."""
-    check_at_least("--threads", threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def small_llama(
@@ -108,44 +67,6 @@ def small_llama(
     )
     torch.manual_seed(seed)
     return SoftmaxRNNLlamaForCausalLM(config)
-
-
-def resolve_device(device: str | torch.device, *, name: str = "--device") -> torch.device:
-    """ "auto" -> cuda if available, else mps, else cpu; anything else as given, if this machine has it.
-    `name` is how a refusal names the setting (the flag, or a function's argument)."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    allowed = "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"{name}={device!r} is not allowed; expected {allowed}")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise UserInputError(f"{name}={device!r} is not allowed; expected {allowed}") from error
-    if not _is_available(resolved):
-        raise UserInputError(
-            f"{name}={device!r} is not available on this machine; expected one of {available_devices()}"
-        )
-    return resolved
-
-
-def available_devices() -> list[str]:
-    """The devices `resolve_device` accepts on this machine: 'auto', 'cpu', then each GPU."""
-    gpus = [f"cuda:{index}" for index in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return ["auto", "cpu", *(["cuda"] if gpus else []), *gpus, *(["mps"] if torch.backends.mps.is_available() else [])]
-
-
-def _is_available(device: torch.device) -> bool:
-    if device.type == "cpu":
-        return True
-    if device.type == "cuda":
-        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if device.type == "mps":
-        return torch.backends.mps.is_available()
-    backend = getattr(torch, device.type, None)
-    return bool(getattr(backend, "is_available", lambda: False)())
 
 
 def selected_logits(model, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -127,7 +127,7 @@ def plot_profiles(profiles: Sequence[StepProfile], path, title: str) -> None:
     for kind in KIND_NAMES:
         heights = [p.ms_by_kind[kind] for p in profiles]
         axis.bar(labels, heights, bottom=bottom, label=kind)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     axis.set_ylabel(
         "kernel time per step (ms)" if profiles and profiles[0].device_type == "cuda" else "operator time (ms)"
     )

@@ -1,1 +1,2 @@
-"""Subcommands of the `hf-softmax-rnn` console script that are not part of a subpackage."""
+"""The subcommands of the `hf-softmax-rnn` console script, one module each (`add_arguments`, `run`); the
+computations they run live in the library (`analysis`, `training`, `long_context`, ...)."""

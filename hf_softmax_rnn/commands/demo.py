@@ -26,7 +26,6 @@ from transformers import AutoConfig
 from transformers.generation.streamers import BaseStreamer
 
 from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
-from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import (
@@ -38,6 +37,7 @@ from hf_softmax_rnn.default_model import (
 )
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
+from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.layers.cache import cache_nbytes
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
 

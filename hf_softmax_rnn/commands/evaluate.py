@@ -23,10 +23,10 @@ import json
 import logging
 from pathlib import Path
 
-from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_config, resolve_model
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.long_context.extend import check_factor, extend_context, extended_max_positions
 from hf_softmax_rnn.long_context.fidelity import check_same_vocabulary
 from hf_softmax_rnn.long_context.passkey import DEFAULT_DEPTHS

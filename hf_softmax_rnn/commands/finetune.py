@@ -21,7 +21,7 @@ import argparse
 import json
 import logging
 
-from hf_softmax_rnn.commands.arguments import add_dataclass_arguments
+from hf_softmax_rnn.flags import add_dataclass_arguments
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, FinetuneConfig
 from hf_softmax_rnn.training.long_context_run import long_context_report
 from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION, memory_words, minutes_and_seconds
@@ -77,6 +77,7 @@ def _time_and_memory(result) -> str:
 
 
 def run(args: argparse.Namespace) -> str | None:
+    # The trainer loads Accelerate and PEFT: imported when a run starts, so that `finetune --help` stays quick.
     from hf_softmax_rnn.training.trainer import Finetuner
 
     finetuner = Finetuner(FinetuneConfig.from_namespace(args))

@@ -18,11 +18,11 @@ import dataclasses
 import types
 from pathlib import Path
 
-from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.commands.evaluate import ORIGINAL, original_of
 from hf_softmax_rnn.data.eval_texts import DEFAULT_EVAL_TEXTS, load_eval_texts
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, resolve_config, resolve_model
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.long_context.needles import (
     DEFAULT_LENGTHS,
     FILLERS,

@@ -513,7 +513,7 @@ def student_outputs(model: nn.Module) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
-        for module, transfer in zip(modules, saved):
+        for module, transfer in zip(modules, saved, strict=True):
             module.attention_transfer = transfer
 
 

@@ -116,7 +116,7 @@ def extend_context(model, factor: float):
     rebuilt = _rebuilt_rotary_modules(config, scaled, modules)
     for name, value in scaled.items():
         setattr(config, name, value)
-    for (parent, name, _), module in zip(modules, rebuilt):
+    for (parent, name, _), module in zip(modules, rebuilt, strict=True):
         setattr(parent, name, module)
     logger.info(
         "Rotary embeddings scaled by YaRN, factor %s: %d -> %d positions",

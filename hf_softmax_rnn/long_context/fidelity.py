@@ -52,6 +52,7 @@ def token_divergence(
     for (_, logits), (_, reference_logits) in zip(
         logit_slices(model, input_ids.to(next(model.parameters()).device), slice_size),
         logit_slices(reference, input_ids.to(next(reference.parameters()).device), slice_size),
+        strict=True,
     ):
         log_q = torch.log_softmax(logits.double(), dim=-1)
         log_p = torch.log_softmax(reference_logits.to(log_q.device).double(), dim=-1)

@@ -14,6 +14,7 @@ the texts joined into one stream (each text followed by EOS) cut into consecutiv
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -66,11 +67,11 @@ def check_buckets(buckets: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ..
 
 def buckets_from_edges(edges: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """Contiguous buckets between consecutive `edges`, e.g. (0, 64, 256) -> ((0, 64), (64, 256))."""
-    if len(edges) < 2 or any(later <= earlier for earlier, later in zip(edges, edges[1:])):
+    if len(edges) < 2 or any(later <= earlier for earlier, later in itertools.pairwise(edges)):
         raise UserInputError(
             f"bucket edges {list(edges)} are not allowed; expected at least two strictly increasing positions"
         )
-    return check_buckets(list(zip(edges, edges[1:])))
+    return check_buckets(list(itertools.pairwise(edges)))
 
 
 def check_count(name: str, value: int | None, minimum: int = 1) -> None:
@@ -164,7 +165,7 @@ def no_cache_mode(model, mode: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        for layer, previous in zip(layers, saved):
+        for layer, previous in zip(layers, saved, strict=True):
             layer.attention_mode = previous
 
 

@@ -144,7 +144,7 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
         positions = result["positions"]
         cells = [
             f"{b['perplexity']:.2f}" + ("" if name == reference else f" ({b['perplexity'] / r['perplexity']:.2f}x)")
-            for b, r in zip(positions["buckets"], base)
+            for b, r in zip(positions["buckets"], base, strict=False)
         ]
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {positions['tokens']:,} | {positions['seconds']:.0f} s |"
@@ -212,7 +212,7 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
         if name != reference:
             ratios.plot(
                 at,
-                [b["perplexity"] / base[place]["perplexity"] for b, place in zip(measured, at)],
+                [b["perplexity"] / base[place]["perplexity"] for b, place in zip(measured, at, strict=True)],
                 marker="o",
                 label=name,
                 color=colours[name],

@@ -60,5 +60,5 @@ def finite_state_off(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         with torch.no_grad():
-            for module, log_scale in zip(layers, saved):
+            for module, log_scale in zip(layers, saved, strict=True):
                 module.rnn_params.linear_log_scale.copy_(log_scale)

@@ -111,7 +111,7 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
     """Before each forward: attention weights refused, the padding mask's values (bool or 0/1) and
     the positions (no packed sequences) checked; in training mode `use_cache` defaults to False
     (`training_without_cache`)."""
-    inputs = {**dict(zip(model._forward_argument_names, args)), **kwargs}
+    inputs = {**dict(zip(model._forward_argument_names, args, strict=False)), **kwargs}
     model._refuse_attention_weights(inputs.get("output_attentions"))
     check_token_ids(inputs.get("input_ids"), model.config.vocab_size)
     attention_mask = inputs.get("attention_mask")

@@ -18,12 +18,16 @@ from typing import Any
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
-from hf_softmax_rnn.commands.arguments import SHOWN_DEFAULT, option
+from hf_softmax_rnn.convert import FAMILIES
 from hf_softmax_rnn.data.corpus import DEFAULT_CORPUS, SOURCE_SEPARATOR, TEXT_COLUMN, _local_files, source_names
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.flags import SHOWN_DEFAULT, option
 from hf_softmax_rnn.long_context.extend import check_factor
+from hf_softmax_rnn.long_context.positions import buckets_from_edges
+from hf_softmax_rnn.long_context.report import LongContextSettings
+from hf_softmax_rnn.long_context.retrieval import check_retrieval_budget
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
@@ -95,8 +99,6 @@ def parse_attention(value: str | dict | AttentionSpec) -> AttentionSpec:
 def converted_attention(model: str) -> dict | None:
     """The base attention (the `attention` entry of its config.json) of `model` when it is a local folder
     holding a converted model, else None (a Hub id, an unconverted or a broken folder: loading it tells)."""
-    from hf_softmax_rnn.convert import FAMILIES
-
     try:
         saved = json.loads((Path(model).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
@@ -608,9 +610,6 @@ class FinetuneConfig:
 
     def long_context_settings(self):
         """The `LongContextSettings` of --long-eval (checked: bucket edges, counts)."""
-        from hf_softmax_rnn.long_context.positions import buckets_from_edges
-        from hf_softmax_rnn.long_context.report import LongContextSettings
-
         lengths = tuple(length for length in self.long_eval_passkey if length != 0)
         if 0 in self.long_eval_passkey and lengths:
             raise UserInputError(
@@ -625,8 +624,6 @@ class FinetuneConfig:
         )
 
     def _check_retrieval(self) -> None:
-        from hf_softmax_rnn.long_context.retrieval import check_retrieval_budget
-
         _check_at_least("retrieval_layers", self.retrieval_layers, minimum=0)
         if self.retrieval_layers:
             check_retrieval_budget(self.attention_spec, self.retrieval_kept)

@@ -15,6 +15,10 @@ import torch
 
 from hf_softmax_rnn.errors import UserInputError
 
+# Defined in `hf_softmax_rnn.utils` (model cards write durations too); imported here only to stay
+# importable from this module.
+from hf_softmax_rnn.utils import minutes_and_seconds  # noqa: F401
+
 try:
     import resource
 except ImportError:  # Windows
@@ -48,12 +52,6 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         peak["cuda_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return peak
-
-
-def minutes_and_seconds(seconds: float) -> str:
-    """583.4 -> "9 min 43 s"; 41.2 -> "41 s"."""
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 def memory_words(peak: dict[str, float]) -> str:
@@ -139,7 +137,7 @@ def plot_loss_curves(
     reference_values = {r["stage"]: r["perplexity"] for r in records if r["stage"] in references and "perplexity" in r}
     panels = max(len(stages), 1)
     fig, axes = plt.subplots(1, panels, figsize=(PANEL_INCHES * panels, 4), squeeze=False)
-    for axis, stage in zip(axes[0], stages):
+    for axis, stage in zip(axes[0], stages, strict=False):
         train = [r for r in records if r["stage"] == stage and "loss" in r]
         axis.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
         axis.set_xlabel("step")
@@ -148,7 +146,7 @@ def plot_loss_curves(
         evals = [r for r in records if r["stage"] == stage and "perplexity" in r and math.isfinite(r["perplexity"])]
         twin = axis.twinx()
         twin.plot([r["step"] for r in evals], [r["perplexity"] for r in evals], "o-", color="tab:red", label=f"{stage}")
-        for (name, value), style in zip(reference_values.items(), ("--", ":")):
+        for (name, value), style in zip(reference_values.items(), ("--", ":"), strict=False):
             twin.axhline(value, color="tab:gray", linestyle=style, label=name)
         twin.set_yscale("log")
         twin.set_ylabel("held-out perplexity (log scale)", color="tab:red")

@@ -24,7 +24,6 @@ from typing import IO
 
 from accelerate.utils import broadcast_object_list
 
-from hf_softmax_rnn import __version__
 from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training.checkpointing import CHECKPOINTS_DIR, checkpoint_dirs, remove_incomplete
@@ -32,6 +31,7 @@ from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 from hf_softmax_rnn.training.outputs import ADAPTER_BASE_DIR, ADAPTER_DIR, MODEL_FILES, RESULTS_FILE
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
+from hf_softmax_rnn.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -344,7 +344,7 @@ def heldout_layer_mse(model: nn.Module, blocks: torch.Tensor, batch_size: int) -
         ids = blocks[start : start + batch_size].to(next(model.parameters()).device)
         model(input_ids=ids, use_cache=False)
         totals += torch.stack([module.transfer_loss for module in converted]).double().cpu() * len(ids)
-    for module, (transfer, forcing) in zip(converted, saved):
+    for module, (transfer, forcing) in zip(converted, saved, strict=True):
         module.attention_transfer, module.teacher_forcing, module.transfer_loss = transfer, forcing, None
     model.train(was_training)
     return (totals / len(blocks)).tolist()

@@ -28,7 +28,6 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from hf_softmax_rnn.analysis.bench_report import hardware_name
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import check_convertible, convert, converted_layers, converted_model_type
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
@@ -72,6 +71,7 @@ from hf_softmax_rnn.training.stages import (
     set_activation_checkpointing,
 )
 from hf_softmax_rnn.training.transfer_report import record_layer_mse
+from hf_softmax_rnn.utils import hardware_name
 
 logger = logging.getLogger(__name__)
 
@@ -705,7 +705,7 @@ class Finetuner:
         optimizer.zero_grad(set_to_none=True)
         names = sorted(totals)
         means = accelerator.reduce(torch.stack([totals[name] for name in names]), "mean")
-        return {**dict(zip(names, means.tolist())), **values}
+        return {**dict(zip(names, means.tolist(), strict=True)), **values}
 
 
 def finetune(config: FinetuneConfig) -> FinetuneResult:

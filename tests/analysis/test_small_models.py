@@ -6,14 +6,11 @@ import torch
 from hf_softmax_rnn.analysis.small_models import (
     batches,
     optimizer_and_schedule,
-    resolve_device,
     scored_loss,
     selected_logits,
-    set_threads,
     small_llama,
     train_steps,
 )
-from hf_softmax_rnn.errors import UserInputError
 
 
 @pytest.fixture
@@ -94,29 +91,3 @@ def test_weight_decay_only_on_linear_and_embedding_weights():
     }
     assert not any("norm" in name or name.endswith("bias") for name in names)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
-
-
-def test_resolve_device_refuses_unknown_and_missing_devices(monkeypatch):
-    with pytest.raises(UserInputError, match=r"--device='tpu9' is not allowed; expected 'auto', 'cpu'"):
-        resolve_device("tpu9")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    with pytest.raises(
-        UserInputError, match=r"--device='cuda' is not available on this machine; expected one of \['auto', 'cpu'\]$"
-    ):
-        resolve_device("cuda")
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto").type in ("cpu", "mps")
-
-
-def test_set_threads_refuses_zero():
-    with pytest.raises(UserInputError, match=r"--threads=0 is not allowed; expected an int >= 1"):
-        set_threads(0)
-
-
-def test_resolve_device_names_the_argument_it_checks():
-    with pytest.raises(UserInputError, match=r"^device='tpu9' is not allowed; expected 'auto', 'cpu'"):
-        resolve_device("tpu9", name="device")
-    with pytest.raises(TypeError, match=r"^device=0 is not allowed; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
-        resolve_device(0, name="device")
-    assert resolve_device(torch.device("cpu"), name="device") == torch.device("cpu")

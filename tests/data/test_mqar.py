@@ -14,7 +14,7 @@ CONFIGS = {
 def test_every_query_answers_its_pairs_value(config):
     data = generate_mqar(200, config, seed=3)
     k, half = config.num_kv_pairs, config.vocab_size // 2
-    for input_ids, labels in zip(data["input_ids"], data["labels"]):
+    for input_ids, labels in zip(data["input_ids"], data["labels"], strict=True):
         input_ids, labels = np.array(input_ids), np.array(labels)
         assert len(input_ids) == config.seq_len
         keys, values = input_ids[0 : 2 * k : 2], input_ids[1 : 2 * k : 2]
@@ -22,7 +22,7 @@ def test_every_query_answers_its_pairs_value(config):
         assert keys.max() < half and values.min() >= half and values.max() < config.vocab_size
         scored = np.flatnonzero(labels != IGNORE_INDEX)
         assert len(scored) == k and scored.min() > 2 * k
-        pair_value = dict(zip(keys.tolist(), values.tolist()))
+        pair_value = dict(zip(keys.tolist(), values.tolist(), strict=True))
         queried = input_ids[scored - 1]
         assert sorted(queried) == sorted(keys)
         assert [pair_value[key] for key in queried] == labels[scored].tolist() == input_ids[scored].tolist()

@@ -36,7 +36,7 @@ def _run(spec, leaves, mask, split):
     """Chunked attention in two calls (state handed over at `split`), or parallel when split is None."""
     q, k, v, decay_logits, *params = leaves
     names = list(make_params(spec, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM))
-    params = as_params(dict(zip(names, params)))
+    params = as_params(dict(zip(names, params, strict=True)))
     log_decay = F.logsigmoid(decay_logits)
     if split is None:
         out, _ = attention(q, k, v, spec, attention_mask=mask, params=params, gates={"decay": log_decay})
@@ -89,7 +89,7 @@ def check_against_float64(spec, dtype, pad):
 
     rows = mask.bool()[:, None, :, None].expand_as(reference)  # padding rows are free to differ
     assert _relative_error(out[rows.cuda()], reference[rows]) < TOLERANCE[dtype]
-    for index, (got, want) in enumerate(zip(grads, reference_grads)):
+    for index, (got, want) in enumerate(zip(grads, reference_grads, strict=True)):
         if want is not None:
             assert got is not None, f"gradient {index} is missing"
             assert _relative_error(got, want) < 2 * TOLERANCE[dtype], f"gradient {index}"

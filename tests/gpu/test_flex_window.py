@@ -71,5 +71,7 @@ def test_flex_window_part_matches_dense_reference(dtype, sinks):
     weights = torch.linspace(-1, 1, HEAD_DIM, dtype=torch.float64)
     loss_want = (want_out[rows] * weights).sum() + want_lse[rows].sum()
     loss_got = (got_out[rows.cuda()].float() * weights.float().cuda()).sum() + got_lse[rows.cuda()].float().sum()
-    for name, got, want in zip("qkv", torch.autograd.grad(loss_got, gpu), torch.autograd.grad(loss_want, cpu)):
+    for name, got, want in zip(
+        "qkv", torch.autograd.grad(loss_got, gpu), torch.autograd.grad(loss_want, cpu), strict=True
+    ):
         assert _relative_error(got, want) < 2 * TOLERANCE[dtype], f"d{name}"

@@ -71,7 +71,7 @@ def _compare(spec, dtype, pad, mode, split):
     rows = mask.bool()[:, None, :, None].expand_as(reference)  # padding rows are free to differ
     assert _relative_error(out[rows.cuda()], reference[rows]) < TOLERANCE[dtype]
     names = ["q", "k", "v", *params_gpu]
-    for name, got, want in zip(names, grads, reference_grads):
+    for name, got, want in zip(names, grads, reference_grads, strict=True):
         if want is not None:
             assert got is not None, f"d{name} is missing"
             assert _relative_error(got, want) < 2 * TOLERANCE[dtype], f"d{name}"
@@ -137,5 +137,5 @@ def test_under_bfloat16_autocast_fla_reads_bfloat16_and_matches_float64(name, fl
     assert out.dtype == torch.bfloat16 and {called for called, _ in fla_calls} == {torch.bfloat16}
     grads = torch.autograd.grad((out.float() * weights.float().cuda()).sum(), gpu)
     assert _relative_error(out, reference) < TOLERANCE[torch.bfloat16]
-    for name_, got, want in zip("qkv", grads, reference_grads):
+    for name_, got, want in zip("qkv", grads, reference_grads, strict=True):
         assert _relative_error(got, want) < 2 * TOLERANCE[torch.bfloat16], f"d{name_}"

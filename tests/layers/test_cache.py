@@ -37,7 +37,7 @@ def test_batch_operations_act_on_every_state_tensor(operation, select):
     layer = filled_layer()
     before = snapshot(layer)
     operation(layer)
-    for expected, actual in zip(before, snapshot(layer)):
+    for expected, actual in zip(before, snapshot(layer), strict=True):
         assert torch.equal(actual, select(expected))
     assert layer.get_seq_length() == 5
 

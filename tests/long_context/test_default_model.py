@@ -24,7 +24,7 @@ def test_default_model_on_the_default_texts():
         with torch.no_grad():
             logits = scored(input_ids=ids, use_cache=False).logits
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).double(), ids[:, 1:], reduction="none")
-        for bucket, (start, end) in zip(result["buckets"], BUCKETS):
+        for bucket, (start, end) in zip(result["buckets"], BUCKETS, strict=True):
             expected = nll[:, max(start, 1) - 1 : end - 1]
             assert bucket["tokens"] == expected.numel(), name
             assert bucket["mean_nll"] == pytest.approx(expected.mean().item(), rel=1e-4), name

@@ -98,7 +98,7 @@ def test_buckets_match_whole_logits_bucketed_by_hand(name, join, byte_tok):
     )
     sequences = eval_sequences(byte_tok, TEXTS, 120, num_sequences=2, join=join)
     kl, agree = _by_hand(model, reference, sequences)
-    for bucket, (start, end) in zip(result["buckets"], BUCKETS):
+    for bucket, (start, end) in zip(result["buckets"], BUCKETS, strict=True):
         cells = [(row, t - 1) for row in range(2) for t in range(max(start, 1), end)]
         values = [kl[cell].item() for cell in cells]
         mean = sum(values) / len(values)

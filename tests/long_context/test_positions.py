@@ -55,7 +55,7 @@ def test_buckets_match_a_plain_forward_bucketed_by_hand(name, join, byte_tok):
     sequences = eval_sequences(byte_tok, TEXTS, 120, num_sequences=2, join=join)
     expected = _by_hand(model, sequences, BUCKETS)
     assert [(b["start"], b["end"]) for b in result["buckets"]] == list(BUCKETS)
-    for bucket, (tokens, mean, stderr) in zip(result["buckets"], expected):
+    for bucket, (tokens, mean, stderr) in zip(result["buckets"], expected, strict=True):
         assert bucket["tokens"] == tokens
         assert bucket["mean_nll"] == pytest.approx(mean, rel=1e-9)
         assert bucket["stderr"] == pytest.approx(stderr, rel=1e-6)

@@ -9,7 +9,8 @@ from hf_softmax_rnn.long_context.report import LongContextSettings, comparison_t
 def _result(perplexities, passkey=None, seconds=3.0):
     buckets = [
         {"start": start, "end": end, "tokens": 2 * (end - max(start, 1)), "perplexity": value}
-        for (start, end), value in zip(((0, 64), (64, 256)), perplexities)
+        # Fewer perplexities than buckets: a model measured on the first buckets only.
+        for (start, end), value in zip(((0, 64), (64, 256)), perplexities, strict=False)
     ]
     positions = {"buckets": buckets, "tokens": 512, "seconds": seconds}
     if passkey is None:
@@ -161,7 +162,7 @@ def test_no_passkey_panel_without_passkey_results(tmp_path, monkeypatch):
 def _with_fidelity(result, agreements, kls=(0.5, 0.25), seconds=4.0):
     buckets = [
         {"start": b["start"], "end": b["end"], "tokens": b["tokens"], "kl": kl, "kl_stderr": 0.01, "top1_agreement": a}
-        for b, a, kl in zip(result["positions"]["buckets"], agreements, kls)
+        for b, a, kl in zip(result["positions"]["buckets"], agreements, kls, strict=True)
     ]
     return {**result, "fidelity": {"buckets": buckets, "tokens": 512, "seconds": seconds}}
 

@@ -22,7 +22,7 @@ def test_accuracy_matches_direct_count(metric, error_rate):
     scored = labels != IGNORE_INDEX
     assert result["num_scored"] == scored.sum() == 40 * 4
     assert result["accuracy"] == pytest.approx((predictions == labels)[scored].mean())
-    rows_right = [(p[s] == lab[s]).all() for p, lab, s in zip(predictions, labels, scored)]
+    rows_right = [(p[s] == lab[s]).all() for p, lab, s in zip(predictions, labels, scored, strict=True)]
     assert result["sequence_accuracy"] == pytest.approx(np.mean(rows_right))
 
 
@@ -60,7 +60,7 @@ def _add_in_batches(metric):
 
 
 def _add_one_by_one(metric):
-    for prediction, reference in zip(PREDICTIONS, REFERENCES):
+    for prediction, reference in zip(PREDICTIONS, REFERENCES, strict=True):
         metric.add(prediction=prediction, reference=reference)
 
 

@@ -33,7 +33,7 @@ def test_presets_cover_both_cache_kinds():
 def assert_same_generation(cached, uncached, rows=slice(None)):
     assert torch.equal(cached.sequences[rows], uncached.sequences[rows])
     assert len(cached.logits) == len(uncached.logits)
-    for step_cached, step_uncached in zip(cached.logits, uncached.logits):
+    for step_cached, step_uncached in zip(cached.logits, uncached.logits, strict=True):
         torch.testing.assert_close(step_cached[rows], step_uncached[rows], atol=1e-4, rtol=0)
 
 
@@ -64,7 +64,7 @@ def test_left_padded_rows_match_their_unpadded_generation(family, preset):
         assert torch.equal(
             batched.sequences[row, -GREEDY["max_new_tokens"] :], single.sequences[0, -GREEDY["max_new_tokens"] :]
         )
-        for step_batched, step_single in zip(batched.logits, single.logits):
+        for step_batched, step_single in zip(batched.logits, single.logits, strict=True):
             torch.testing.assert_close(step_batched[row], step_single[0], atol=1e-4, rtol=0)
 
 
@@ -230,7 +230,7 @@ def test_generate_refuses_what_it_cannot_do_with_a_message(family, settings, mes
 
 
 def _right_padded(ids, mask):
-    return torch.stack([row.roll(-int((m == 0).sum())) for row, m in zip(ids, mask)]), mask.flip(1)
+    return torch.stack([row.roll(-int((m == 0).sum())) for row, m in zip(ids, mask, strict=True)]), mask.flip(1)
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def test_gradients_reach_float32_inputs_through_autocast():
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     want, _ = attention(*leaves, "linear_elu", mode="chunked")
     (want.bfloat16().float() * weights).sum().backward()
-    for got_leaf, want_leaf in zip((q, k, v), leaves):
+    for got_leaf, want_leaf in zip((q, k, v), leaves, strict=True):
         assert got_leaf.grad.dtype == torch.float32
         torch.testing.assert_close(got_leaf.grad, want_leaf.grad, rtol=0, atol=0)
 

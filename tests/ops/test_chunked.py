@@ -88,7 +88,7 @@ def test_engine_matches_generic_chunked_path(name, length, chunk_size):
     generic = _outputs_and_gradients(
         lambda: generic_chunked_linear_attention(*inputs, kernel, chunk_size), state_inputs
     )
-    for got, want in zip(fast, generic):
+    for got, want in zip(fast, generic, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -112,7 +112,7 @@ def test_engine_with_decay_matches_the_decayed_chunk_loop(name, length, chunk_si
     reference = _outputs_and_gradients(
         lambda: chunked_decayed_linear_attention(q, k, v, log_decay, state, kernel, chunk_size), leaves
     )
-    for got, want in zip(fast, reference):
+    for got, want in zip(fast, reference, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -194,7 +194,7 @@ def test_float32_gradients_over_many_chunks(decay):
         return ((got.double() - want).norm() / want.norm()).item()
 
     found, reference = run(inputs32), run(inputs64)
-    for got, want in zip(found, reference):
+    for got, want in zip(found, reference, strict=True):
         assert relative(got, want) < 3e-6
     assert relative(found[1][..., :256, :], reference[1][..., :256, :]) < 4e-7
 
@@ -209,6 +209,8 @@ def test_engine_takes_strided_inputs(name, length):
     assert not any(x.is_contiguous() for x in strided)
     kernel = chunk_kernel(spec, 0.3)
     for got, want in zip(
-        chunked_kernel_attention(*strided, state, kernel, 4), chunked_kernel_attention(q, k, v, state, kernel, 4)
+        chunked_kernel_attention(*strided, state, kernel, 4),
+        chunked_kernel_attention(q, k, v, state, kernel, 4),
+        strict=True,
     ):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

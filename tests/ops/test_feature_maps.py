@@ -38,7 +38,7 @@ def test_hedgehog_features_match_their_definition(length, layout):
     leaves = [projection, k, weight_q, weight_k]
 
     def gradients(outputs):
-        return torch.autograd.grad(sum((x * p).sum() for x, p in zip(outputs, probes)), leaves)
+        return torch.autograd.grad(sum((x * p).sum() for x, p in zip(outputs, probes, strict=True)), leaves)
 
-    for got, want in zip(gradients((features, keys)), gradients(expected)):
+    for got, want in zip(gradients((features, keys)), gradients(expected), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

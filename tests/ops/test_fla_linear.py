@@ -86,7 +86,7 @@ def test_chunked_attention_through_fla_matches_pytorch(name, segment, reference_
         out = torch.cat([first, second], dim=-2)
         loss = (out * weights).sum() + 0.1 * state.S.sum() + 0.2 * state.z.sum()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return out, state, [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+        return out, state, [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True)]
 
     fused_out, fused_state, fused_grads = run(True)
     assert len(reference_fla) == 2, "the fla path did not run"
@@ -95,9 +95,9 @@ def test_chunked_attention_through_fla_matches_pytorch(name, segment, reference_
     torch_out, torch_state, torch_grads = run(False)
     assert len(reference_fla) == 2, "fused_kernels(False) still ran the fla path"
     torch.testing.assert_close(fused_out, torch_out, **TOL)
-    for got, want in zip(fused_state.tensors(), torch_state.tensors()):
+    for got, want in zip(fused_state.tensors(), torch_state.tensors(), strict=True):
         torch.testing.assert_close(got, want, **TOL)
-    for got, want in zip(fused_grads, torch_grads):
+    for got, want in zip(fused_grads, torch_grads, strict=True):
         torch.testing.assert_close(got, want, **TOL)
 
 
@@ -136,7 +136,7 @@ def test_a_call_without_a_state_asks_fla_for_no_final_state(name, monkeypatch):
         results.append((out, torch.autograd.grad(out.sum(), [q, k, v], retain_graph=True)))
     assert asked == [False, True]
     torch.testing.assert_close(results[0][0], results[1][0], **TOL)
-    for got, want in zip(results[0][1], results[1][1]):
+    for got, want in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(got, want, **TOL)
 
 
@@ -153,7 +153,7 @@ def test_fla_reads_the_values_without_the_denominator_column(reference_fla):
             plain, plain_state = attention(q, k, v, spec, mode="chunked")
         assert reference_fla[-1][1] == expected
         torch.testing.assert_close(fused, plain, **TOL)
-        for got, want in zip(fused_state.tensors(), plain_state.tensors()):
+        for got, want in zip(fused_state.tensors(), plain_state.tensors(), strict=True):
             torch.testing.assert_close(got, want, **TOL)
 
 
@@ -237,7 +237,7 @@ def test_segments_give_the_outputs_final_state_and_gradients_of_one_pass(decay, 
     assert calls == [(batch * segments, size)]
     torch.testing.assert_close(split[0], whole[0], **TOL)
     torch.testing.assert_close(split[1], whole[1], **TOL)
-    for got, want in zip(split[2], whole[2]):
+    for got, want in zip(split[2], whole[2], strict=True):
         torch.testing.assert_close(got, want, **TOL)
 
 

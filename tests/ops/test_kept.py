@@ -157,7 +157,8 @@ def _assert_same_state(state, other):
     for name in kept:
         got, want = (getattr(s, name) for s in (state, other))
         got, want = (
-            x.gather(2, o.view(*o.shape, *[1] * (x.dim() - 3)).expand_as(x)) for x, o in zip((got, want), orders)
+            x.gather(2, o.view(*o.shape, *[1] * (x.dim() - 3)).expand_as(x))
+            for x, o in zip((got, want), orders, strict=True)
         )
         valid = state.kept_valid.gather(2, orders[0])
         mask = valid.view(*valid.shape, *[1] * (got.dim() - 3)).expand_as(got)

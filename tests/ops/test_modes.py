@@ -51,13 +51,13 @@ def test_gradients_agree(name):
         if with_state:
             loss = loss + 0.1 * state.S.sum() + 0.2 * state.z.sum()
         found = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)]
+        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves, strict=True)]
 
     reference = grads("parallel", with_state=False)
     for mode in ("chunked", "recurrent"):
-        for got, want in zip(grads(mode, with_state=False), reference):
+        for got, want in zip(grads(mode, with_state=False), reference, strict=True):
             torch.testing.assert_close(got, want, **TOL)
-    for got, want in zip(grads("chunked", with_state=True), grads("recurrent", with_state=True)):
+    for got, want in zip(grads("chunked", with_state=True), grads("recurrent", with_state=True), strict=True):
         torch.testing.assert_close(got, want, **TOL)
 
 
@@ -162,7 +162,7 @@ def test_recurrent_state_updated_in_place_matches_a_new_state(name, layout):
         )
     assert state.packed is packed
     torch.testing.assert_close(out, expected, **TOL)
-    for got, want in zip(state.tensors(), expected_state.tensors()):
+    for got, want in zip(state.tensors(), expected_state.tensors(), strict=True):
         torch.testing.assert_close(got, want, **TOL)
 
 

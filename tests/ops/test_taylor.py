@@ -1,6 +1,7 @@
 """The Taylor family (ops/taylor.py): its feature map against the one-product-per-monomial
 reference, and the claims of SPEC section 1 (claims 1 and 2 of section 6)."""
 
+import itertools
 import math
 from fractions import Fraction
 
@@ -52,7 +53,7 @@ def test_taylor_recurrence_converges_to_softmax():
         spec = AttentionSpec(kind="recurrent_softmax", taylor_order=order, normalizer="softmax")
         out, _ = attention(q, k, v, spec, mode="parallel")
         errors.append((out - reference).abs().max().item())
-    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert all(later < earlier for earlier, later in itertools.pairwise(errors))
     assert errors[-1] < 1e-6
 
 

@@ -50,7 +50,7 @@ def test_kernel_matches_float64_reference(case, mask_given):
     want = torch.autograd.grad(
         (ref_numerator * d_num.double()).sum() + (ref_denominator * d_den.double()).sum(), [q, k, v]
     )
-    for name, g, w in zip("qkv", got, want):
+    for name, g, w in zip("qkv", got, want, strict=True):
         torch.testing.assert_close(
             g.double(), w.double(), rtol=1e-5, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}"
         )
@@ -112,14 +112,14 @@ def test_attention_with_kernel_matches_pytorch_forms(name, mode, padded, fused_o
         assert state is None
         weights = torch.linspace(-1, 1, 16, device=DEVICE)
         grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
-        return out.cpu(), [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+        return out.cpu(), [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True)]
 
     assert backends.polynomial_backend(DEVICE, torch.float32, spec, mode, False, 16, 16) == "taylor2"
     fused_out, fused_grads = run(True)
     assert len(kernel_masks) == 1 and (kernel_masks[0] is None) is not padded
     torch_out, torch_grads = run(False)
     torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-5)
-    for got, want in zip(fused_grads, torch_grads):
+    for got, want in zip(fused_grads, torch_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 

@@ -229,7 +229,7 @@ def _compare_compiled_one_block():
 
     def run(compiled: bool):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, *tensors.values())]
-        params = as_params(dict(zip(tensors, leaves[3:])))
+        params = as_params(dict(zip(tensors, leaves[3:], strict=True)))
 
         def call(q, k, v):
             return attention(q, k, v, spec, mode="chunked", params=params, return_state=False)[0]

@@ -131,7 +131,7 @@ def test_gradients_of_a_step_match_the_block_form(name):
             loss = loss + 0.1 * after.kept_keys.sum()  # (the slots may hold the kept keys in another order)
         leaves = [q, k, v, *[t for t in params.values() if t.requires_grad]]
         found = torch.autograd.grad(loss, leaves, allow_unused=True)
-        grads.append([torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)])
+        grads.append([torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves, strict=True)])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, **TOL)
 

@@ -123,7 +123,7 @@ def test_training_steps_change_the_weights_of_every_model(tmp_path, monkeypatch)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     ids = module.torch.randint(0, config.vocab_size, (2, 8))
     assert trainer.step(ids) > 0
-    changed = [not module.torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())]
+    changed = [not module.torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)]
     assert all(changed)
     assert all(p.grad is None for p in trainer.model.parameters())
 

@@ -2,6 +2,7 @@
 measures them when loaded on their own, the results in results.json, the plot and the report; bad
 settings refused before the output folder is touched."""
 
+import itertools
 import json
 
 import pytest
@@ -46,11 +47,11 @@ def test_long_eval_measures_both_models_into_results_and_report(tiny_models, tmp
     assert record == json.loads(json.dumps(result.long_context))
     texts = [open(f"{books}/{i}.txt").read().strip() for i in range(4)]
     tokenizer = AutoTokenizer.from_pretrained(out)
-    buckets = list(zip(EDGES, EDGES[1:]))
+    buckets = list(itertools.pairwise(EDGES))
     for label, folder in (("unconverted", tiny_models["llama"]), ("trained", out)):
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         expected = position_perplexity(model, tokenizer, texts, buckets, num_sequences=3, progress=False)
-        for got, want in zip(record[label]["positions"]["buckets"], expected["buckets"]):
+        for got, want in zip(record[label]["positions"]["buckets"], expected["buckets"], strict=True):
             assert got["tokens"] == want["tokens"] == 3 * (want["end"] - max(want["start"], 1))
             assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
         assert record[label]["passkey"] is None

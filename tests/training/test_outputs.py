@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.training import Finetuner, finetune, outputs
-from hf_softmax_rnn.training.metrics import minutes_and_seconds
 from hf_softmax_rnn.training.outputs import save_model
+from hf_softmax_rnn.utils import minutes_and_seconds
 from tests.training.helpers import tiny_config
 
 REMOTE_CODE_HEADER = "# Flat copy of hf_softmax_rnn.x for trust_remote_code loading, written by hf_softmax_rnn.hub.\n"

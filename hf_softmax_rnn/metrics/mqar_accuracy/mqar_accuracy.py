@@ -82,7 +82,7 @@ def _check_batch(predictions, references) -> None:
             f"predictions has {len(predictions)} sequences but references has {len(references)}; "
             "expected one prediction per reference"
         )
-    for index, (prediction, reference) in enumerate(zip(predictions, references)):
+    for index, (prediction, reference) in enumerate(zip(predictions, references, strict=True)):
         _check_aligned(f"predictions[{index}]", prediction, f"references[{index}]", reference)
 
 
@@ -135,7 +135,7 @@ class MQARAccuracy(evaluate.Metric):
         if len(references) == 0:
             raise ValueError("predictions is empty; expected at least one sequence of token ids")
         correct = scored = sequences_right = 0
-        for prediction, reference in zip(predictions, references):
+        for prediction, reference in zip(predictions, references, strict=True):
             prediction, reference = np.asarray(prediction), np.asarray(reference)
             mask = reference != ignore_index
             hits = int((prediction[mask] == reference[mask]).sum())

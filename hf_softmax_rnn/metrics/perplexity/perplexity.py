@@ -6,9 +6,9 @@ import datasets
 import evaluate
 import torch
 
-from hf_softmax_rnn.analysis.small_models import resolve_device
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.evaluation import check_window, perplexity, stream_nll, token_stream
+from hf_softmax_rnn.utils import resolve_device
 
 _CITATION = """\
 @article{mongaras2025expressiveness,
