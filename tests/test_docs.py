@@ -95,7 +95,9 @@ def _nav_files(items) -> list[str]:
 def test_every_page_is_in_the_navigation_and_every_entry_exists():
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
     nav = _nav_files(config["nav"])
-    pages = sorted(str(path.relative_to(DOCS)) for path in [*DOCS.glob("*.md"), *DOCS.glob("api/*.md")])
+    pages = sorted(
+        str(path.relative_to(DOCS)) for path in [*DOCS.glob("*.md"), *DOCS.glob("api/*.md"), *DOCS.glob("results/*.md")]
+    )
     assert sorted(nav) == pages
 
 
