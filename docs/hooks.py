@@ -187,8 +187,10 @@ def flag_list(cls: type) -> str:
         entry = (
             f"`{flag}` · `{type_name(hints[field.name])}` · default {flag_default(field)}\n:   {field.metadata['help']}"
         )
-        sections.setdefault(field.metadata.get("group", "general"), []).append(entry)
-    return "\n\n".join(f"**{title}**\n\n" + "\n\n".join(entries) for title, entries in sections.items())
+        sections.setdefault(field.metadata.get("group", "required"), []).append(entry)
+    return "\n\n".join(
+        f"## {title[0].upper()}{title[1:]}\n\n" + "\n\n".join(entries) for title, entries in sections.items()
+    )
 
 
 def on_page_markdown(markdown: str, **kwargs) -> str:
