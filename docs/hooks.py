@@ -1,12 +1,21 @@
-"""MkDocs hook: pages write `<!-- generated: presets -->` where the preset table goes.
+"""MkDocs hook: pages write a `<!-- generated: ... -->` marker where a generated list goes.
 
-The table is built from `hf_softmax_rnn.attention_spec.PRESETS` and `AttentionSpec.from_preset` at
-build time, so it lists every preset with its formula, modes and state size, and cannot drift.
+- `<!-- generated: presets -->`: the preset table, built from `hf_softmax_rnn.attention_spec.PRESETS`
+  and `AttentionSpec.from_preset`, so it lists every preset with its formula, modes and state size.
+- `<!-- generated: spec fields -->`: every field of `AttentionSpec`, from `dataclasses.fields`: its type
+  and default, and its meaning from the `Attributes:` section of the class docstring.
+- `<!-- generated: finetune flags -->`: every flag of `hf-softmax-rnn finetune`, from
+  `dataclasses.fields(FinetuneConfig)`: its type, default and help, by help section.
+
+Both are built at build time, so they cannot drift from the code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -14,10 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from griffe import Docstring  # noqa: E402
+
 from hf_softmax_rnn import attention_spec  # noqa: E402
 from hf_softmax_rnn.attention_spec import MODES, AttentionSpec  # noqa: E402
+from hf_softmax_rnn.flags import SHOWN_DEFAULT, option_fields  # noqa: E402
+from hf_softmax_rnn.training import FinetuneConfig  # noqa: E402
 
 PRESET_TABLE_MARKER = "<!-- generated: presets -->"
+FINETUNE_FLAGS_MARKER = "<!-- generated: finetune flags -->"
+SPEC_FIELDS_MARKER = "<!-- generated: spec fields -->"
 HEAD_DIM = 64
 
 #: How each normaliser turns the numerator N_t (and the denominator G_t, position count t) into the output.
@@ -113,8 +128,77 @@ def preset_table() -> str:
     return "\n".join(rows)
 
 
+def type_name(annotation: typing.Any) -> str:
+    """`int`, `list[int] | None`, `str | dict | None`: an annotation as the code writes it."""
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation)
+
+
+def field_default(field: dataclasses.Field) -> str:
+    """A dataclass field's default as code; "required" for a field without one."""
+    if field.default_factory is not dataclasses.MISSING:
+        return f"`{field.default_factory()!r}`"
+    if field.default is dataclasses.MISSING:
+        return "required"
+    return f"`{field.default!r}`"
+
+
+def docstring_attributes(cls: type) -> dict[str, str]:
+    """Name -> description of the `Attributes:` section of a Google-style class docstring."""
+    parsed = Docstring(inspect.cleandoc(cls.__doc__), parser="google").parse()
+    return {
+        item.name: " ".join(item.description.split())
+        for section in parsed
+        if section.kind.value == "attributes"
+        for item in section.value
+    }
+
+
+def field_list(cls: type) -> str:
+    """Every field of the dataclass `cls` as a definition list: name, type and default, then its meaning."""
+    hints, meanings = typing.get_type_hints(cls), docstring_attributes(cls)
+    missing = [field.name for field in dataclasses.fields(cls) if field.name not in meanings]
+    if missing:
+        raise ValueError(f"{cls.__name__}'s docstring has no Attributes entry for {missing}")
+    entries = []
+    for field in dataclasses.fields(cls):
+        term = f"`{field.name}` · `{type_name(hints[field.name])}` · default {field_default(field)}"
+        entries.append(f"{term}\n:   {meanings[field.name]}")
+    return "\n\n".join(entries)
+
+
+def flag_default(field: dataclasses.Field) -> str:
+    """The default as `--help` shows it (a value as code, words such as "the attention's recipe" as
+    they are); "required" for a field without one."""
+    if SHOWN_DEFAULT in field.metadata:
+        shown = field.metadata[SHOWN_DEFAULT]
+        return shown if isinstance(shown, str) and " " in shown else f"`{shown}`"
+    return field_default(field)
+
+
+def flag_list(cls: type) -> str:
+    """Every flag of `cls` (fields declared with `option`) as a definition list per help section:
+    the flag, its field's type and default, then its help."""
+    hints = typing.get_type_hints(cls)
+    sections: dict[str, list[str]] = {}
+    for field in option_fields(cls):
+        flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+        if field.metadata.get("positional"):
+            flag = field.name
+        entry = (
+            f"`{flag}` · `{type_name(hints[field.name])}` · default {flag_default(field)}\n:   {field.metadata['help']}"
+        )
+        sections.setdefault(field.metadata.get("group", "required"), []).append(entry)
+    return "\n\n".join(
+        f"## {title[0].upper()}{title[1:]}\n\n" + "\n\n".join(entries) for title, entries in sections.items()
+    )
+
+
 def on_page_markdown(markdown: str, **kwargs) -> str:
-    """MkDocs event: put the generated preset table where a page asks for it."""
-    if PRESET_TABLE_MARKER not in markdown:
-        return markdown
-    return markdown.replace(PRESET_TABLE_MARKER, preset_table())
+    """MkDocs event: put the generated preset table and field and flag lists where a page asks for them."""
+    if PRESET_TABLE_MARKER in markdown:
+        markdown = markdown.replace(PRESET_TABLE_MARKER, preset_table())
+    if SPEC_FIELDS_MARKER in markdown:
+        markdown = markdown.replace(SPEC_FIELDS_MARKER, field_list(AttentionSpec))
+    if FINETUNE_FLAGS_MARKER in markdown:
+        markdown = markdown.replace(FINETUNE_FLAGS_MARKER, flag_list(FinetuneConfig))
+    return markdown

@@ -70,7 +70,7 @@ class AttentionSpec:
     """The attention variant of one layer: validated once, at construction, and frozen (a changed copy is
     `dataclasses.replace(spec, window=8)`, which validates it).
 
-    Fields:
+    Attributes:
         kind: "softmax" (exact softmax, SDPA), "recurrent_softmax" (exp(q.k) or its Taylor
             truncation, with any normaliser) or "linear" (phi(q).phi(k) with a feature map).
         taylor_order: for recurrent_softmax, None = exact exp, N >= 0 = exp truncated at
@@ -78,7 +78,8 @@ class AttentionSpec:
         feature_map: for linear only: identity, elu (elu+1), relu, cosine, taylor, hedgehog.
         normalizer: how N_t (the numerator) becomes the output; see NORMALIZERS and docs/design.md.
         score_clamp: exp(min(x, c)) (or kernel clamped at c); None = no clamp.
-        input_gate / output_gate: sigmoid gates from the layer input (docs/design.md).
+        input_gate: a sigmoid gate from the layer input on the values (docs/design.md).
+        output_gate: a sigmoid gate from the layer input on the output (docs/design.md).
         output_gate_position: "after_norm" (default) or "before_norm" (inert before an
             invariant norm, kept for the paper's ablation).
         chunk_size: chunk length C of the chunked mode.
@@ -106,7 +107,7 @@ class AttentionSpec:
             the finite state only when it is not kept (when it leaves the window, or later, when a
             higher-ranked key displaces it).
             Needs a `window`; None = none. Decoding keeps the K keys and values beside the window's.
-            See docs/long_context.md.
+            See docs/sinks_and_decay.md.
         delta_rule: the finite state is corrected toward each entering value instead of only added to
             (DeltaNet): with unit key features u_s = phi(k_s) / |phi(k_s)| and a write strength b_t in
             (0, 1) per position and KV head (`gates["delta"]`), S_t = a_t (I - b_t u_s u_s^T) S_{t-1} +

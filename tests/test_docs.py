@@ -6,6 +6,7 @@ there); these tests check what a successful build does not.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -100,7 +101,9 @@ def _nav_files(items) -> list[str]:
 def test_every_page_is_in_the_navigation_and_every_entry_exists():
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
     nav = _nav_files(config["nav"])
-    pages = sorted(str(path.relative_to(DOCS)) for path in [*DOCS.glob("*.md"), *DOCS.glob("api/*.md")])
+    pages = sorted(
+        str(path.relative_to(DOCS)) for path in [*DOCS.glob("*.md"), *DOCS.glob("api/*.md"), *DOCS.glob("results/*.md")]
+    )
     assert sorted(nav) == pages
 
 
@@ -140,3 +143,40 @@ def test_the_design_layers_are_the_import_contract():
     (layers,) = [contract["layers"] for contract in contracts if contract["type"] == "layers"]
     lines = re.findall(r"^\d+\. (.+)$", _layout_section(), re.MULTILINE)
     assert [" | ".join(re.findall(r"`(\w+)`", line)) for line in lines] == layers
+
+
+def test_the_flag_list_names_every_finetune_flag_with_its_type_default_and_help():
+    from hf_softmax_rnn.flags import option_fields
+    from hf_softmax_rnn.training import FinetuneConfig
+
+    listing = HOOKS.on_page_markdown(f"# Flags\n\n{HOOKS.FINETUNE_FLAGS_MARKER}\n")
+    fields = option_fields(FinetuneConfig)
+    assert listing.count("\n:   ") == len(fields)
+    assert "`--output-dir` · `str` · default required\n:   folder for the model" in listing
+    assert "`--block-size` · `int | None` · default the attention's recipe\n:   " in listing
+    for field in fields:
+        assert f"\n:   {field.metadata['help']}" in listing
+
+
+def test_the_field_list_gives_every_spec_field_its_default_and_meaning():
+    listing = HOOKS.on_page_markdown(HOOKS.SPEC_FIELDS_MARKER)
+    fields = dataclasses.fields(AttentionSpec)
+    assert listing.count("\n:   ") == len(fields)
+    assert listing.startswith("`kind` · `str` · default `'softmax'`\n:   \"softmax\" (exact softmax, SDPA)")
+    assert "`window` · `int | None` · default `None`\n:   W for a sliding-window hybrid" in listing
+
+
+def test_a_field_without_a_docstring_entry_is_refused():
+    @dataclasses.dataclass
+    class Half:
+        """Two fields, one described.
+
+        Attributes:
+            a: the first.
+        """
+
+        a: int = 1
+        b: int = 2
+
+    with pytest.raises(ValueError, match=r"Half's docstring has no Attributes entry for \['b'\]"):
+        HOOKS.field_list(Half)
