@@ -280,6 +280,18 @@ BAD_SETTINGS = {
         dict(transfer_teacher_forcing=False),
         r"^--no-transfer-teacher-forcing has no effect without a transfer stage",
     ),
+    "state-lr-without-a-state-stage": (
+        dict(state_steps=0, state_lr=0.1),
+        r"--state-lr 0\.1 has no effect without a state stage \(--state-steps is 0\); drop --state-lr",
+    ),
+    "state-block-size-for-a-recipe-without-a-state-stage": (
+        dict(attention="hedgehog_window_64", state_block_size=2048),
+        r"--state-block-size 2048 has no effect without a state stage \(--state-steps is 0\)",
+    ),
+    "no-state-gradient-checkpointing-without-a-state-stage": (
+        dict(state_steps=0, state_gradient_checkpointing=False),
+        r"^--no-state-gradient-checkpointing has no effect without a state stage",
+    ),
     "long-eval-texts-without-long-eval": (
         dict(long_eval_texts="books.txt"),
         r"--long-eval-texts 'books\.txt' has no effect without --long-eval; drop --long-eval-texts",
