@@ -196,8 +196,12 @@ def evaluate_preset(
 
 def check_trained(folders: list[Path], base_config) -> None:
     """Refuse, before anything is measured, a `--trained` folder that holds no model config or whose
-    model reads other token ids than the base model (another vocabulary size)."""
+    model reads other token ids than the base model (another vocabulary size); then, each loaded once
+    and let go, one whose weights do not make the model its config describes (`load_causal_lm`)."""
     for folder in folders:
+        if not folder.is_dir():
+            state = "is a file" if folder.exists() else "does not exist"
+            raise UserInputError(f"--trained {str(folder)!r} {state}; expected a folder written by finetune")
         if not (folder / "config.json").is_file():
             raise UserInputError(
                 f"--trained {str(folder)!r} holds no config.json; expected a folder written by finetune"
@@ -211,6 +215,8 @@ def check_trained(folders: list[Path], base_config) -> None:
                 f"--trained {str(folder)!r} has vocab_size={vocab_size}, the --model has "
                 f"{base_config.vocab_size}; expected a model fine-tuned from the --model (same tokenizer)"
             )
+    for folder in folders:
+        load_causal_lm(str(folder), folder)
 
 
 def evaluate_trained(
