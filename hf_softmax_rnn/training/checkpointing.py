@@ -241,6 +241,35 @@ def checkpoint_to_resume(accelerator, output_dir: str | Path) -> Path | None:
     return None if path is None else Path(path)
 
 
+#: The optimizer state Accelerate saves in a checkpoint (of a run's one optimizer).
+OPTIMIZER_FILE = "optimizer.bin"
+
+
+def _group_sizes(sizes: list[int]) -> str:
+    groups, tensors = f"parameter group{'s' if len(sizes) != 1 else ''}", f"tensor{'s' if sum(sizes) != 1 else ''}"
+    return f"{len(sizes)} {groups} of {'+'.join(map(str, sizes))} {tensors}"
+
+
+def optimizer_state_problem(path: Path, groups: list[dict]) -> str | None:
+    """How the optimizer state in checkpoint `path` does not fit the parameter `groups` that the run trains
+    now (as `torch.optim.Optimizer` takes them): other group sizes, or a moment of another shape than its
+    parameter; None when it fits (torch would refuse the first, and fail at the first step on the second)."""
+    saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+    sizes = [len(group["params"]) for group in groups]
+    if saved_sizes != sizes:
+        return f"{_group_sizes(saved_sizes)} in the file, {_group_sizes(sizes)} now"
+    for group_index, (saved_group, group) in enumerate(zip(saved["param_groups"], groups)):
+        for position, (index, parameter) in enumerate(zip(saved_group["params"], group["params"])):
+            for name, moment in saved["state"].get(index, {}).items():
+                if torch.is_tensor(moment) and moment.dim() and moment.shape != parameter.shape:
+                    return (
+                        f"{name} of tensor {position} of parameter group {group_index} has shape "
+                        f"{list(moment.shape)} in the file, its parameter {list(parameter.shape)} now"
+                    )
+    return None
+
+
 # ---------------------------------------------------------------------------------- exact resume
 class InexactResumeError(UserInputError):
     """`--resume` could not continue exactly where the checkpoint stopped (see `check_exact_resume`)."""

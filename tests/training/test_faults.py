@@ -310,3 +310,29 @@ def test_a_full_disk_while_saving_is_one_error_naming_path_and_bytes(tiny_models
     ), error
     assert [path.name for path in checkpoint_dirs(tmp_path / "out")] == ["checkpoint-0000002"]
     assert checkpoint_problems(checkpoint_dirs(tmp_path / "out")[0]) == []
+
+
+def test_an_optimizer_state_of_other_parameters_is_named_and_nothing_is_written(run_copy, capsys):
+    """A checkpoint whose optimizer state is of other trainable parameters (another run's, whose files verify):
+    one line naming the file, exit status 2, and the run folder as it was."""
+    config, out = run_copy
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    other.step()
+    for checkpoint in checkpoint_dirs(out):
+        torch.save(other.state_dict(), checkpoint / "optimizer.bin")
+        write_manifest(checkpoint)
+    before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    arguments = ["--output-dir", str(out), "--model", config.model, "--dataset", config.dataset, "--resume"]
+    arguments += [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
+    arguments += ["--block-size", "16", "--batch-size", "2", "--eval-batch-size", "4", "--max-eval-blocks", "6"]
+    arguments += ["--attention", config.attention, "--lr", str(config.lr), "--transfer-lr", str(config.transfer_lr)]
+    capsys.readouterr()
+    assert main(["finetune", *arguments, "--seed", "0", "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(
+        r"^hf-softmax-rnn finetune: error: --resume: .*checkpoint-0000004/optimizer\.bin holds the optimizer state "
+        r"of other parameters than the finetune stage trains \(1 parameter group of 1 tensor in the file, "
+        r"2 parameter groups of \d+\+\d+ tensors now\)",
+        error,
+    ), error
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == before
