@@ -78,6 +78,8 @@ def load_eval_texts(source: str | None = None, *, text_column: str = "text") -> 
     """
     if source in (None, DEFAULT_EVAL_TEXTS):
         return shakespeare_plays()
+    if not source.strip():
+        raise UserInputError(f"the evaluation texts {source!r} name no source; expected {ACCEPTED_SOURCES}")
     path = Path(source)
     text_files = sorted(path.rglob("*.txt")) if path.is_dir() else [path] if path.suffix == ".txt" else []
     if text_files and all(file.is_file() for file in text_files):

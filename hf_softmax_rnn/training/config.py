@@ -500,6 +500,8 @@ class FinetuneConfig:
         for name, value in self.to_dict().items():
             if isinstance(value, str) and "\0" in value:
                 raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
+            if isinstance(value, str) and not value.strip():
+                raise UserInputError(f"{_flag(name)} {value!r} is empty; expected a name or a path")
         self._take_a_converted_models_attention()
         if self.attention is None:
             self.attention = DEFAULT_ATTENTION

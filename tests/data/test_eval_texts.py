@@ -84,3 +84,8 @@ def test_a_source_of_no_readable_kind_is_named_with_what_evaluation_texts_may_be
     with pytest.raises(FileNotFoundError, match=expected) as info:
         load_eval_texts(str(tmp_path / "play.md"))
     assert "pydoc" not in str(info.value)
+
+
+def test_an_empty_source_is_refused_not_read_as_the_current_folder():
+    with pytest.raises(UserInputError, match=r"^the evaluation texts '' name no source; expected 'shakespeare'"):
+        load_eval_texts("")

@@ -312,6 +312,9 @@ BAD_SETTINGS = {
         dict(dataset="data\0.txt"),
         r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
     ),
+    "empty-output-dir": (dict(output_dir=""), r"^--output-dir '' is empty; expected a name or a path"),
+    "blank-dataset": (dict(dataset=" "), r"^--dataset ' ' is empty; expected a name or a path"),
+    "empty-model": (dict(model=""), r"^--model '' is empty; expected a name or a path"),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
@@ -322,7 +325,7 @@ BAD_SETTINGS = {
 @pytest.mark.parametrize("settings,message", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
 def test_bad_settings_are_refused(tmp_path, settings, message):
     with pytest.raises(UserInputError, match=message):
-        FinetuneConfig(output_dir=str(tmp_path), **settings)
+        FinetuneConfig(**dict(output_dir=str(tmp_path)) | settings)
 
 
 def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(tmp_path):
