@@ -330,17 +330,23 @@ def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[to
 def run(args) -> str:
     _check_args(args)
     start = time.perf_counter()
-    check_trained(args.trained, resolve_config(args.model))  # before the model, the data and the measurements
-    base_model, tokenizer = resolve_model(args.model)
-    base_model.eval()
-    corpus = load_corpus(args.dataset)
-    eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
-    max_positions = getattr(base_model.config, "max_position_embeddings", None)
+    base_config = resolve_config(args.model)  # checked before the model, the data and the measurements
+    max_positions = getattr(base_config, "max_position_embeddings", None)
     if max_positions is not None and max(args.contexts) + args.new_tokens > max_positions:
         raise UserInputError(
             f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
             f"max_position_embeddings={max_positions}; use shorter contexts"
         )
+    if max_positions is not None and args.eval_window > max_positions:
+        raise UserInputError(
+            f"--eval-window={args.eval_window} is more than the model's max_position_embeddings={max_positions}; "
+            f"use --eval-window <= {max_positions}"
+        )
+    check_trained(args.trained, base_config)
+    base_model, tokenizer = resolve_model(args.model)
+    base_model.eval()
+    corpus = load_corpus(args.dataset)
+    eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
     contexts = _context_prompts(corpus["train"]["text"], tokenizer, args.contexts)
     results = [
         evaluate_preset(base_model, tokenizer, preset, eval_ids, contexts, args)

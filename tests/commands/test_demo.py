@@ -141,10 +141,14 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
         (["--presets", "no_such_preset"], "no_such_preset"),
         (["--new-tokens", "0"], "--new-tokens=0"),
         (["--contexts", "62"], "max_position_embeddings=64"),
+        (["--eval-window", "65"], "--eval-window=65 is more than the model's max_position_embeddings=64"),
     ],
-    ids=["unknown-preset", "no-new-tokens", "context-too-long"],
+    ids=["unknown-preset", "no-new-tokens", "context-too-long", "window-too-long"],
 )
-def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys):
+def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys, monkeypatch):
+    from hf_softmax_rnn.commands import demo
+
+    monkeypatch.setattr(demo, "resolve_model", lambda *args: pytest.fail("the model loaded before the check"))
     assert run_demo(tiny_llama_dir, *extra) == 2
     error = capsys.readouterr().err
     assert "hf-softmax-rnn demo: error: " in error and message in error.split("hf-softmax-rnn demo: error: ")[-1]
