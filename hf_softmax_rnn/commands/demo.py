@@ -317,6 +317,12 @@ def _check_args(args) -> None:
             raise UserInputError(f"{flag}={getattr(args, name)} is not allowed; expected an int >= 2")
     if any(c < 1 for c in args.contexts):
         raise UserInputError(f"--contexts={args.contexts} is not allowed; expected positive ints")
+    for flag, values in (("--presets", args.presets), ("--contexts", args.contexts), ("--trained", args.trained)):
+        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+        if repeated is not None:
+            raise UserInputError(
+                f"{flag} names {str(repeated)!r} more than once (its row would be measured again); name each once"
+            )
 
 
 def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[torch.Tensor]:

@@ -142,8 +142,17 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
         (["--new-tokens", "0"], "--new-tokens=0"),
         (["--contexts", "62"], "max_position_embeddings=64"),
         (["--eval-window", "65"], "--eval-window=65 is more than the model's max_position_embeddings=64"),
+        (["--presets", "softmax", "linear_elu", "softmax"], "--presets names 'softmax' more than once"),
+        (["--contexts", "8", "8"], "--contexts names '8' more than once"),
     ],
-    ids=["unknown-preset", "no-new-tokens", "context-too-long", "window-too-long"],
+    ids=[
+        "unknown-preset",
+        "no-new-tokens",
+        "context-too-long",
+        "window-too-long",
+        "repeated-preset",
+        "repeated-context",
+    ],
 )
 def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys, monkeypatch):
     from hf_softmax_rnn.commands import demo
