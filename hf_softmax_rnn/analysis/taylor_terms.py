@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from hf_softmax_rnn.attention_spec import MAX_TAYLOR_ORDER
 from hf_softmax_rnn.commands.arguments import add_dataclass_arguments, option
 from hf_softmax_rnn.errors import UserInputError
 
@@ -100,8 +101,8 @@ def taylor_term_magnitudes(
 ) -> TaylorTerms:
     """Mean |x^n/n!| per layer and order over the causal scores of `blocks` (`[N, L]` token ids,
     no padding: pack the text into full blocks)."""
-    if max_order < 1:
-        raise UserInputError(f"max_order={max_order} is not allowed; expected an int >= 1")
+    if not 1 <= max_order <= MAX_TAYLOR_ORDER:
+        raise UserInputError(f"max_order={max_order} is not allowed; expected an int from 1 to {MAX_TAYLOR_ORDER}")
     modules = attention_modules(model)
     sums = torch.zeros(len(modules), max_order + 1, dtype=torch.float64)
     max_abs = torch.zeros(len(modules), dtype=torch.float64)
@@ -268,8 +269,14 @@ def _check_args(args) -> None:
         check_at_least(flag, getattr(args, flag[2:].replace("-", "_")))
     check_at_least("--block-size", args.block_size, minimum=2)
     check_at_least("--truncation-tokens", args.truncation_tokens, minimum=2)
-    if any(order < 0 for order in args.truncation_orders):
-        raise UserInputError(f"--truncation-orders={args.truncation_orders} is not allowed; expected ints >= 0")
+    if args.max_order > MAX_TAYLOR_ORDER:
+        raise UserInputError(
+            f"--max-order={args.max_order} is not allowed; expected an int from 1 to {MAX_TAYLOR_ORDER}"
+        )
+    if any(not 0 <= order <= MAX_TAYLOR_ORDER for order in args.truncation_orders):
+        raise UserInputError(
+            f"--truncation-orders={args.truncation_orders} is not allowed; expected ints from 0 to {MAX_TAYLOR_ORDER}"
+        )
 
 
 def run(args) -> str:

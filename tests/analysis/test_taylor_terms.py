@@ -75,8 +75,9 @@ def test_writes_csvs_and_heatmap(model, tmp_path):
 
 
 def test_rejects_bad_order_and_non_llama_models(model):
-    with pytest.raises(ValueError, match="max_order=0"):
-        taylor_term_magnitudes(model, torch.randint(97, (1, 8)), max_order=0, progress=False)
+    for order in (0, 1025):
+        with pytest.raises(ValueError, match=rf"^max_order={order} is not allowed; expected an int from 1 to 1024"):
+            taylor_term_magnitudes(model, torch.randint(97, (1, 8)), max_order=order, progress=False)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=16))
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no Llama-style"):
         taylor_term_magnitudes(gpt2, torch.zeros(1, 4, dtype=torch.long), progress=False)
@@ -113,7 +114,12 @@ BAD_ARGUMENTS = {
     "zero-order": (["--max-order", "0"], r"--max-order=0 is not allowed; expected an int >= 1"),
     "negative-truncation-order": (
         ["--truncation-orders", "2", "-1"],
-        r"--truncation-orders=\[2, -1\] is not allowed; expected ints >= 0",
+        r"--truncation-orders=\[2, -1\] is not allowed; expected ints from 0 to 1024",
+    ),
+    "huge-order": (["--max-order", "100000"], r"--max-order=100000 is not allowed; expected an int from 1 to 1024"),
+    "huge-truncation-order": (
+        ["--truncation-orders", "2000"],
+        r"--truncation-orders=\[2000\] is not allowed; expected ints from 0 to 1024",
     ),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
 }
