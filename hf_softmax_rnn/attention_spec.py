@@ -59,6 +59,16 @@ def _choice_error(field: str, value: Any, allowed: tuple) -> ValueError:
     return ValueError(f"AttentionSpec.{field}={value!r} is not allowed; expected one of {list(allowed)}")
 
 
+def _check_size(name: str, value: Any) -> None:
+    """A head size argument is an int >= 1 (a traced size, torch's SymInt, is taken as it is)."""
+    if type(value).__name__ == "SymInt":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} has type {type(value).__name__}; expected an int >= 1")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; expected an int >= 1")
+
+
 def taylor_feature_dim(head_dim: int, order: int) -> int:
     """Size of the Taylor feature map phi_N in the symmetric monomial basis:
     sum_{n<=N} C(d+n-1, n) = C(d+N, N) (d=64: 1 + 64 + 2080 for N = 2)."""
@@ -333,6 +343,7 @@ class AttentionSpec:
 
     def feature_dim(self, head_dim: int) -> int:
         """Width of phi(k), i.e. rows of the recurrent state S (finite-state specs only)."""
+        _check_size("head_dim", head_dim)
         fmap = self.effective_feature_map
         if fmap == "taylor":
             return taylor_feature_dim(head_dim, self.taylor_order)
@@ -353,6 +364,8 @@ class AttentionSpec:
         position counter (int64), and with a window one flag (bool) per window position and the ring's
         start (int64), shared by its KV heads."""
         value_dim = head_dim if value_dim is None else value_dim
+        for name, size in (("head_dim", head_dim), ("value_dim", value_dim), ("bytes_per_element", bytes_per_element)):
+            _check_size(name, size)
         exact = self.exact_positions * (head_dim + value_dim + 1)
         scores = (self.window or 0) + self.kept + 1 if self.kept is not None else 0
         kept_bookkeeping = (self.kept or 0) * (_POSITION_BYTES + _FLAG_BYTES)

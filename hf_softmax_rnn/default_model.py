@@ -227,6 +227,11 @@ def _model_source(name: str) -> str:
     """What `from_pretrained` reads for a name other than "default": a local directory (a PEFT adapter
     folder refused) or a Hub id. A name that looks like a path (absolute, starting with "." or "~", with
     more than one "/", or an existing file) but is no directory raises `FileNotFoundError`."""
+    if not name.strip():
+        raise UserInputError(
+            f"Model {name!r} names no model; expected {DEFAULT_MODEL_ALIAS!r} (the embedded {DEFAULT_MODEL_NAME}), a "
+            "local model directory, or a Hub id"
+        )
     path = Path(name).expanduser()
     if path.is_dir():
         _refuse_adapter(name, path)

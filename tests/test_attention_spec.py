@@ -210,3 +210,26 @@ def test_from_dict_refuses_what_is_not_a_dict(data):
         TypeError, match=f"AttentionSpec.from_dict takes a dict of spec fields; got {type(data).__name__}"
     ):
         AttentionSpec.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (dict(head_dim=0), ValueError, r"^head_dim=0 is not allowed; expected an int >= 1"),
+        (dict(head_dim=-1), ValueError, r"^head_dim=-1 is not allowed"),
+        (dict(head_dim="64"), TypeError, r"^head_dim='64' has type str; expected an int >= 1"),
+        (dict(head_dim=64.0), TypeError, r"^head_dim=64\.0 has type float"),
+        (dict(head_dim=64, value_dim=0), ValueError, r"^value_dim=0 is not allowed"),
+        (dict(head_dim=64, bytes_per_element=0), ValueError, r"^bytes_per_element=0 is not allowed"),
+    ],
+    ids=["zero", "negative", "string", "float", "zero-value-dim", "zero-bytes"],
+)
+def test_state_sizes_refuse_a_head_size_that_is_no_positive_int(arguments, error, message):
+    spec = AttentionSpec.from_preset("hedgehog_window_64_sinks_4")
+    with pytest.raises(error, match=message):
+        spec.state_bytes(**arguments)
+    if set(arguments) == {"head_dim"}:
+        check_chunked = lambda head_dim: spec.check_mode("chunked", head_dim)  # noqa: E731
+        for sized in (spec.feature_dim, spec.fits_recurrent_state, check_chunked):
+            with pytest.raises(error, match=message):
+                sized(**arguments)

@@ -17,6 +17,7 @@ from hf_softmax_rnn.default_model import (
     default_model,
     default_tokenizer,
     ensure_default_model_cache,
+    resolve_config,
     resolve_model,
 )
 from hf_softmax_rnn.errors import MissingPackageError, UserInputError
@@ -84,6 +85,13 @@ def test_resolve_model_dtype(tiny_llama_dir):
 def test_resolve_model_missing_path_raises(name):
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         resolve_model(name)
+
+
+@pytest.mark.parametrize("name", ["", " "], ids=["empty", "blank"])
+def test_an_empty_model_name_is_refused_not_read_as_the_current_folder(name):
+    for load in (resolve_model, resolve_config):
+        with pytest.raises(UserInputError, match=rf"^Model {name!r} names no model; expected 'default'"):
+            load(name)
 
 
 def test_resolve_model_rejects_a_file(tiny_llama_dir):

@@ -196,8 +196,12 @@ def evaluate_preset(
 
 def check_trained(folders: list[Path], base_config) -> None:
     """Refuse, before anything is measured, a `--trained` folder that holds no model config or whose
-    model reads other token ids than the base model (another vocabulary size)."""
+    model reads other token ids than the base model (another vocabulary size); then, each loaded once
+    and let go, one whose weights do not make the model its config describes (`load_causal_lm`)."""
     for folder in folders:
+        if not folder.is_dir():
+            state = "is a file" if folder.exists() else "does not exist"
+            raise UserInputError(f"--trained {str(folder)!r} {state}; expected a folder written by finetune")
         if not (folder / "config.json").is_file():
             raise UserInputError(
                 f"--trained {str(folder)!r} holds no config.json; expected a folder written by finetune"
@@ -211,6 +215,8 @@ def check_trained(folders: list[Path], base_config) -> None:
                 f"--trained {str(folder)!r} has vocab_size={vocab_size}, the --model has "
                 f"{base_config.vocab_size}; expected a model fine-tuned from the --model (same tokenizer)"
             )
+    for folder in folders:
+        load_causal_lm(str(folder), folder)
 
 
 def evaluate_trained(
@@ -311,6 +317,12 @@ def _check_args(args) -> None:
             raise UserInputError(f"{flag}={getattr(args, name)} is not allowed; expected an int >= 2")
     if any(c < 1 for c in args.contexts):
         raise UserInputError(f"--contexts={args.contexts} is not allowed; expected positive ints")
+    for flag, values in (("--presets", args.presets), ("--contexts", args.contexts), ("--trained", args.trained)):
+        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+        if repeated is not None:
+            raise UserInputError(
+                f"{flag} names {str(repeated)!r} more than once (its row would be measured again); name each once"
+            )
 
 
 def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[torch.Tensor]:
@@ -324,17 +336,23 @@ def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[to
 def run(args) -> str:
     _check_args(args)
     start = time.perf_counter()
-    check_trained(args.trained, resolve_config(args.model))  # before the model, the data and the measurements
-    base_model, tokenizer = resolve_model(args.model)
-    base_model.eval()
-    corpus = load_corpus(args.dataset)
-    eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
-    max_positions = getattr(base_model.config, "max_position_embeddings", None)
+    base_config = resolve_config(args.model)  # checked before the model, the data and the measurements
+    max_positions = getattr(base_config, "max_position_embeddings", None)
     if max_positions is not None and max(args.contexts) + args.new_tokens > max_positions:
         raise UserInputError(
             f"--contexts up to {max(args.contexts)} plus --new-tokens={args.new_tokens} exceed the model's "
             f"max_position_embeddings={max_positions}; use shorter contexts"
         )
+    if max_positions is not None and args.eval_window > max_positions:
+        raise UserInputError(
+            f"--eval-window={args.eval_window} is more than the model's max_position_embeddings={max_positions}; "
+            f"use --eval-window <= {max_positions}"
+        )
+    check_trained(args.trained, base_config)
+    base_model, tokenizer = resolve_model(args.model)
+    base_model.eval()
+    corpus = load_corpus(args.dataset)
+    eval_ids = token_stream(tokenizer, corpus["test"]["text"])[: args.max_eval_tokens]
     contexts = _context_prompts(corpus["train"]["text"], tokenizer, args.contexts)
     results = [
         evaluate_preset(base_model, tokenizer, preset, eval_ids, contexts, args)

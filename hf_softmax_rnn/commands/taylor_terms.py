@@ -21,6 +21,7 @@ from hf_softmax_rnn.analysis.taylor_terms import (
     truncation_perplexities,
     write_csvs,
 )
+from hf_softmax_rnn.attention_spec import MAX_TAYLOR_ORDER
 from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import UserInputError
@@ -63,8 +64,14 @@ def _check_args(args) -> None:
         check_at_least(flag, getattr(args, flag[2:].replace("-", "_")))
     check_at_least("--block-size", args.block_size, minimum=2)
     check_at_least("--truncation-tokens", args.truncation_tokens, minimum=2)
-    if any(order < 0 for order in args.truncation_orders):
-        raise UserInputError(f"--truncation-orders={args.truncation_orders} is not allowed; expected ints >= 0")
+    if args.max_order > MAX_TAYLOR_ORDER:
+        raise UserInputError(
+            f"--max-order={args.max_order} is not allowed; expected an int from 1 to {MAX_TAYLOR_ORDER}"
+        )
+    if any(not 0 <= order <= MAX_TAYLOR_ORDER for order in args.truncation_orders):
+        raise UserInputError(
+            f"--truncation-orders={args.truncation_orders} is not allowed; expected ints from 0 to {MAX_TAYLOR_ORDER}"
+        )
 
 
 def run(args) -> str:

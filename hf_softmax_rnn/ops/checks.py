@@ -117,6 +117,8 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
         raise ValueError("attention: mode='parallel' takes no state; pass past keys and values in k, v instead")
     if attention_mask is not None:
         check_padding_mask(attention_mask)
+    if attention_mask is not None and attention_mask.device != q.device:
+        raise ValueError(f"attention_mask is on {attention_mask.device}, q, k and v on {q.device}; expected one device")
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != q.shape[0]):
         raise ValueError(
             f"attention_mask must be a 2-D padding mask [B, L_total]; got shape {tuple(attention_mask.shape)}"

@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import RNG_STATE_NAME
+from safetensors import safe_open
 
 from hf_softmax_rnn.default_model import weight_file_problem
 from hf_softmax_rnn.errors import UserInputError
@@ -239,6 +240,67 @@ def checkpoint_to_resume(accelerator, output_dir: str | Path) -> Path | None:
     if error is not None:
         raise UserInputError(error)
     return None if path is None else Path(path)
+
+
+#: The optimizer state and the weights Accelerate saves in a checkpoint (of a run's one optimizer and model).
+OPTIMIZER_FILE, MODEL_FILE = "optimizer.bin", "model.safetensors"
+#: The most weight names a refusal lists.
+LISTED_NAMES = 3
+
+
+def _some(names: list[str]) -> str:
+    more = f", and {len(names) - LISTED_NAMES} more" if len(names) > LISTED_NAMES else ""
+    return ", ".join(names[:LISTED_NAMES]) + more
+
+
+def model_state_problem(path: Path, module: torch.nn.Module) -> str | None:
+    """How the weights in checkpoint `path` do not fit `module` (the one the run trains now, which
+    `accelerator.load_state` loads them into, strictly): weights missing (but for a tied one saved once),
+    left over or of another shape; None when they fit, or when the checkpoint holds no safetensors file."""
+    if not (path / MODEL_FILE).is_file():
+        return None
+    with safe_open(path / MODEL_FILE, "pt") as saved:
+        shapes = {key: list(saved.get_slice(key).get_shape()) for key in saved.keys()}
+    state = module.state_dict()
+    saved_storage = {tensor.data_ptr() for key, tensor in state.items() if key in shapes}
+    missing = [key for key, tensor in state.items() if key not in shapes and tensor.data_ptr() not in saved_storage]
+    left_over = [key for key in shapes if key not in state]
+    resized = [
+        f"{key} {shapes[key]} in the file, {list(state[key].shape)} now"
+        for key in shapes
+        if key in state and shapes[key] != list(state[key].shape)
+    ]
+    problems = [
+        f"{len(names)} weight{'s' if len(names) != 1 else ''} {what} ({_some(names)})"
+        for what, names in (("missing", missing), ("left over", left_over), ("of another shape", resized))
+        if names
+    ]
+    return "; ".join(problems) or None
+
+
+def _group_sizes(sizes: list[int]) -> str:
+    groups, tensors = f"parameter group{'s' if len(sizes) != 1 else ''}", f"tensor{'s' if sum(sizes) != 1 else ''}"
+    return f"{len(sizes)} {groups} of {'+'.join(map(str, sizes))} {tensors}"
+
+
+def optimizer_state_problem(path: Path, groups: list[dict]) -> str | None:
+    """How the optimizer state in checkpoint `path` does not fit the parameter `groups` that the run trains
+    now (as `torch.optim.Optimizer` takes them): other group sizes, or a moment of another shape than its
+    parameter; None when it fits (torch would refuse the first, and fail at the first step on the second)."""
+    saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+    sizes = [len(group["params"]) for group in groups]
+    if saved_sizes != sizes:
+        return f"{_group_sizes(saved_sizes)} in the file, {_group_sizes(sizes)} now"
+    for group_index, (saved_group, group) in enumerate(zip(saved["param_groups"], groups, strict=True)):
+        for position, (index, parameter) in enumerate(zip(saved_group["params"], group["params"], strict=True)):
+            for name, moment in saved["state"].get(index, {}).items():
+                if torch.is_tensor(moment) and moment.dim() and moment.shape != parameter.shape:
+                    return (
+                        f"{name} of tensor {position} of parameter group {group_index} has shape "
+                        f"{list(moment.shape)} in the file, its parameter {list(parameter.shape)} now"
+                    )
+    return None
 
 
 # ---------------------------------------------------------------------------------- exact resume

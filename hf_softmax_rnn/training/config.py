@@ -187,6 +187,8 @@ SET_AS_BEFORE = {"rnn_lr": "lr"}
 UNRECORDED_VALUES = {"state_steps": 0}
 #: The settings of the state stage beside its step count, compared only where both runs train it.
 STATE_SETTINGS = ("state_block_size", "state_lr")
+#: Every setting of the state stage beside its step count, which acts only where it trains.
+STATE_STAGE_SETTINGS = (*STATE_SETTINGS, "state_gradient_checkpointing")
 #: How `resume_conflicts` compares a setting whose values may be spelt differently (else: equal JSON).
 SAME_SETTING = {"model": _same_model, "teacher": _same_model, "dataset": _same_dataset}
 
@@ -500,6 +502,8 @@ class FinetuneConfig:
         for name, value in self.to_dict().items():
             if isinstance(value, str) and "\0" in value:
                 raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
+            if isinstance(value, str) and not value.strip():
+                raise UserInputError(f"{_flag(name)} {value!r} is empty; expected a name or a path")
         self._take_a_converted_models_attention()
         if self.attention is None:
             self.attention = DEFAULT_ATTENTION
@@ -645,11 +649,12 @@ class FinetuneConfig:
                 "names none (local files and the offline sources have no configurations); drop --dataset-config"
             )
         defaults = {field.name: _field_default(field) for field in dataclasses.fields(self)}
-        defaults["retrieval_kept"] = RETRIEVAL_KEPT
+        defaults |= {"retrieval_kept": RETRIEVAL_KEPT, "state_block_size": STATE_BLOCK_SIZE}
         long_eval_settings = tuple(name for name in defaults if name.startswith("long_eval_"))
         acts_only_with = {
             "retrieval layers (--retrieval-layers is 0)": (bool(self.retrieval_layers), ("retrieval_kept",)),
             "a transfer stage (--transfer-steps is 0)": (bool(self.transfer_steps), TRANSFER_SETTINGS),
+            "a state stage (--state-steps is 0)": (bool(self.state_steps), STATE_STAGE_SETTINGS),
             "--long-eval": (self.long_eval, long_eval_settings),
             f"the {GENERATED_CORPUS!r} dataset source": (
                 GENERATED_CORPUS in self.dataset_sources,

@@ -11,6 +11,7 @@ predictions per block), computed with the blocks shared out over the processes.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -46,6 +47,8 @@ from hf_softmax_rnn.long_context.retrieval import (
 )
 from hf_softmax_rnn.training.checkpointing import (
     CHECKPOINTS_DIR,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
     TrainerState,
     check_exact_resume,
@@ -53,6 +56,8 @@ from hf_softmax_rnn.training.checkpointing import (
     data_fingerprint,
     latest_checkpoint,
     load_checkpoint,
+    model_state_problem,
+    optimizer_state_problem,
     save_checkpoint,
 )
 from hf_softmax_rnn.training.config import FinetuneConfig
@@ -261,6 +266,7 @@ class Finetuner:
             }
         self.global_batch = config.batch_size * self.accelerator.num_processes * config.grad_accum
         self._check_enough_blocks()
+        self._check_checkpoint_fits()
         fingerprint = data_fingerprint(list(self.train_data.values()), self.eval_ids)
         if self.resume_from is not None:
             check_exact_resume(
@@ -381,6 +387,37 @@ class Finetuner:
                     f"blocks of {stage.block_size} tokens ({stage.block_size_flag}, stage {stage.name}); use {fewer}"
                     "more data or shorter blocks"
                 )
+
+    def _check_checkpoint_fits(self) -> None:
+        """The weights and the optimizer state of the checkpoint to resume must fit the module and parameters its
+        stage trains now (found on a copy of the converted model, set up as `run` sets it up): a checkpoint of a
+        run that trained another model or other parameters is refused, naming its file, before the run writes
+        anything."""
+        if self.resume_from is None or self.state.stage_index >= len(self.stages):
+            return
+        model = copy.deepcopy(self.converted)
+        for stage in self.stages[: self.state.stage_index]:
+            model = stage.setup(model)
+            stage.teardown(model)
+        stage = self.stages[self.state.stage_index]
+        trainable = stage.setup(model)
+        problem = model_state_problem(self.resume_from, trainable)
+        if problem is not None:
+            raise UserInputError(
+                f"--resume: {self.resume_from / MODEL_FILE} holds the weights of another model than the {stage.name} "
+                f"stage trains ({problem}); it was saved by a run of another model or method: resume that "
+                "run's --output-dir, or start over with --overwrite"
+            )
+        groups = weight_decay_groups(
+            trainable, self.config.weight_decay, own_lr=stage.rnn_learning_rate, own_module=RNN_PARAMS
+        )
+        problem = optimizer_state_problem(self.resume_from, groups)
+        if problem is not None:
+            raise UserInputError(
+                f"--resume: {self.resume_from / OPTIMIZER_FILE} holds the optimizer state of other parameters than "
+                f"the {stage.name} stage trains ({problem}); it was saved by a run that trained other parameters: "
+                "resume that run's --output-dir, or start over with --overwrite"
+            )
 
     def _check_teacher(self, converted: PreTrainedConfig, teacher: PreTrainedConfig) -> None:
         """A converted --model must be a conversion of a model shaped as --teacher: the same family, layers,

@@ -141,10 +141,23 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
         (["--presets", "no_such_preset"], "no_such_preset"),
         (["--new-tokens", "0"], "--new-tokens=0"),
         (["--contexts", "62"], "max_position_embeddings=64"),
+        (["--eval-window", "65"], "--eval-window=65 is more than the model's max_position_embeddings=64"),
+        (["--presets", "softmax", "linear_elu", "softmax"], "--presets names 'softmax' more than once"),
+        (["--contexts", "8", "8"], "--contexts names '8' more than once"),
     ],
-    ids=["unknown-preset", "no-new-tokens", "context-too-long"],
+    ids=[
+        "unknown-preset",
+        "no-new-tokens",
+        "context-too-long",
+        "window-too-long",
+        "repeated-preset",
+        "repeated-context",
+    ],
 )
-def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys):
+def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys, monkeypatch):
+    from hf_softmax_rnn.commands import demo
+
+    monkeypatch.setattr(demo, "resolve_model", lambda *args: pytest.fail("the model loaded before the check"))
     assert run_demo(tiny_llama_dir, *extra) == 2
     error = capsys.readouterr().err
     assert "hf-softmax-rnn demo: error: " in error and message in error.split("hf-softmax-rnn demo: error: ")[-1]
@@ -200,7 +213,13 @@ def test_trained_folders_are_checked_before_anything_is_measured(tiny_llama_dir,
     monkeypatch.setattr(demo, "resolve_model", lambda *args: pytest.fail("the model loaded before the check"))
     monkeypatch.setattr(demo, "load_corpus", lambda *args: pytest.fail("the data loaded before the check"))
     assert run_demo(tiny_llama_dir, "--trained", str(tmp_path / "missing")) == 2
-    assert "--trained '" + str(tmp_path / "missing") + "' holds no config.json" in capsys.readouterr().err
+    assert "--trained '" + str(tmp_path / "missing") + "' does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert run_demo(tiny_llama_dir, "--trained", str(tmp_path / "config.json")) == 2
+    assert "--trained '" + str(tmp_path / "config.json") + "' is a file" in capsys.readouterr().err
+    (tmp_path / "no-model").mkdir()
+    assert run_demo(tiny_llama_dir, "--trained", str(tmp_path / "no-model")) == 2
+    assert "--trained '" + str(tmp_path / "no-model") + "' holds no config.json" in capsys.readouterr().err
     other = tmp_path / "other-vocab"
     LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE | dict(vocab_size=301))).save_pretrained(other)
     assert run_demo(tiny_llama_dir, "--trained", str(other)) == 2
@@ -208,7 +227,12 @@ def test_trained_folders_are_checked_before_anything_is_measured(tiny_llama_dir,
     assert "has vocab_size=301, the --model has 300" in error
 
 
-def test_a_trained_folder_whose_weights_are_damaged_is_one_line(tiny_llama_dir, tmp_path, capsys):
+def test_a_trained_folder_whose_weights_are_damaged_is_one_line_before_anything_is_measured(
+    tiny_llama_dir, tmp_path, capsys, monkeypatch
+):
+    from hf_softmax_rnn.commands import demo
+
+    monkeypatch.setattr(demo, "evaluate_preset", lambda *args: pytest.fail("measured before the check"))
     trained = tmp_path / "trained"
     shutil.copytree(tiny_llama_dir, trained)
     weights = trained / "model.safetensors"

@@ -13,7 +13,12 @@ BAD_ARGUMENTS = {
     "zero-order": (["--max-order", "0"], r"--max-order=0 is not allowed; expected an int >= 1"),
     "negative-truncation-order": (
         ["--truncation-orders", "2", "-1"],
-        r"--truncation-orders=\[2, -1\] is not allowed; expected ints >= 0",
+        r"--truncation-orders=\[2, -1\] is not allowed; expected ints from 0 to 1024",
+    ),
+    "huge-order": (["--max-order", "100000"], r"--max-order=100000 is not allowed; expected an int from 1 to 1024"),
+    "huge-truncation-order": (
+        ["--truncation-orders", "2000"],
+        r"--truncation-orders=\[2000\] is not allowed; expected ints from 0 to 1024",
     ),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
 }

@@ -3,7 +3,7 @@ import re
 import pytest
 from transformers import AutoTokenizer  # noqa: F401  (import check only)
 
-from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
+from hf_softmax_rnn.data.corpus import load_corpus, pack_texts, source_names
 from hf_softmax_rnn.errors import UserInputError
 
 
@@ -115,3 +115,11 @@ def test_a_null_in_a_folder_of_files_counts_rows_across_them(tmp_path):
     with pytest.raises(UserInputError, match=r"at row 4 of its train split \(counting from 0 across its 2 files in "
                        r"sorted order; 1 such row\)"):  # fmt: skip
         load_corpus(str(tmp_path))
+
+
+@pytest.mark.parametrize("dataset", ["", "  "], ids=["empty", "blank"])
+def test_an_empty_dataset_name_is_refused_not_read_as_the_default_or_the_current_folder(dataset):
+    with pytest.raises(UserInputError, match=rf"^dataset={dataset!r} names no source; expected 'pydoc'"):
+        load_corpus(dataset)
+    with pytest.raises(UserInputError, match=rf"^dataset={dataset!r} is not allowed; expected sources joined by"):
+        source_names(dataset)

@@ -76,3 +76,16 @@ def test_texts_with_nothing_to_read_are_refused_naming_the_source(tmp_path, file
     source = str(tmp_path / next(iter(files)))
     with pytest.raises(UserInputError, match=message):
         load_eval_texts(source)
+
+
+def test_a_source_of_no_readable_kind_is_named_with_what_evaluation_texts_may_be(tmp_path):
+    (tmp_path / "play.md").write_text("# A play\n")
+    expected = r"'.*play\.md' were not found: expected 'shakespeare' \(offline default\), a local \.txt file"
+    with pytest.raises(FileNotFoundError, match=expected) as info:
+        load_eval_texts(str(tmp_path / "play.md"))
+    assert "pydoc" not in str(info.value)
+
+
+def test_an_empty_source_is_refused_not_read_as_the_current_folder():
+    with pytest.raises(UserInputError, match=r"^the evaluation texts '' name no source; expected 'shakespeare'"):
+        load_eval_texts("")

@@ -141,7 +141,11 @@ def test_no_form_of_the_suite_is_the_calibration_prompt():
         (dict(variants=[]), r"variants=\[\] is not allowed; expected a non-empty list"),
         (dict(prompts=0), r"prompts=0"),
         (dict(lengths=[8000]), r"needle prompt length"),
-        (dict(lengths=[40]), r"cannot hold 1 needles with filler between them"),
+        (
+            dict(lengths=[40]),
+            r"^needle prompt length=40 \('single_number': \d+ tokens of prompt before its \d+-token answer\): a needle "
+            r"prompt of \d+ tokens cannot hold 1 needles with filler between them",
+        ),
         (dict(fillers=["shakespeare"], eval_texts=["short text"]), r"needs \d+ filler tokens, more than the"),
     ],
     ids=["variant", "template", "filler", "no-variants", "no-prompts", "beyond-positions", "too-short", "filler"],

@@ -218,8 +218,10 @@ def test_window_state_is_constant_in_size_and_as_large_as_the_spec_says(family, 
         ),
         (dict(output_attentions=True, return_dict_in_generate=True), "does not return attention weights"),
         (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), "empty prompt"),
+        (dict(prefill_chunk_size=0), r"^prefill_chunk_size=0 is not allowed; expected None or an int >= 1"),
+        (dict(prefill_chunk_size=2.5), r"^prefill_chunk_size=2\.5 is not allowed"),
     ],
-    ids=["offloaded-static-cache", "attention-weights", "empty-prompt"],
+    ids=["offloaded-static-cache", "attention-weights", "empty-prompt", "no-prefill-chunk", "float-prefill-chunk"],
 )
 def test_generate_refuses_what_it_cannot_do_with_a_message(family, settings, message):
     model = tiny_model(family, "linear_elu")
@@ -267,6 +269,14 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_id(family, ids,
         model(ids)
     with pytest.raises(error, match=message):
         model.generate(ids, max_new_tokens=1, do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["input_ids", "inputs_embeds"])
+def test_a_forward_without_tokens_is_refused_naming_the_input(family, name):
+    model = tiny_model(family, "linear_elu")
+    inputs = torch.zeros(2, 0, dtype=torch.long) if name == "input_ids" else torch.zeros(2, 0, 32)
+    with pytest.raises(ValueError, match=rf"^{name} has shape \[2, 0(, 32)?\]: no token to read"):
+        model(**{name: inputs})
 
 
 def test_forward_refuses_a_mask_with_fewer_columns_than_tokens(family):

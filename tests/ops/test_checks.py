@@ -53,8 +53,9 @@ def test_a_feature_map_state_too_big_names_the_map_not_a_taylor_order():
         (dict(gates={}), r"needs gates\['output'\]"),
         (dict(mask=torch.ones(2, 3)), "covers 3 positions"),
         (dict(state=True), "takes no state"),
+        (dict(mask=torch.ones(2, 4, device="meta")), r"^attention_mask is on meta, q, k and v on cpu; expected one"),
     ],
-    ids=["gqa_ratio", "missing_gate", "short_mask", "state_in_parallel"],
+    ids=["gqa_ratio", "missing_gate", "short_mask", "state_in_parallel", "mask_on_another_device"],
 )
 def test_input_errors(kwargs, message):
     q, k, v, _ = make_inputs(length=4)

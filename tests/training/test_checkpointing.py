@@ -1,5 +1,8 @@
 """Checkpoints appear only when complete, and old ones go only after a newer one is in place."""
 
+import re
+
+import pytest
 import torch
 from accelerate import Accelerator
 
@@ -9,6 +12,7 @@ from hf_softmax_rnn.training.checkpointing import (
     checkpoint_dirs,
     latest_checkpoint,
     load_checkpoint,
+    optimizer_state_problem,
     remove_incomplete,
     save_checkpoint,
 )
@@ -72,3 +76,26 @@ def test_metrics_of_a_resumed_run_drop_what_followed_the_checkpoint(tmp_path):
     logger.close()
     MetricsLogger(tmp_path, resume_from_step=3).close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def _saved_optimizer(folder, *shapes):
+    parameters = [torch.nn.Parameter(torch.ones(shape)) for shape in shapes]
+    optimizer = torch.optim.AdamW(parameters)
+    sum(p.sum() for p in parameters).backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), folder / "optimizer.bin")
+
+
+OPTIMIZER_MISMATCHES = {
+    "same-parameters": ([(3, 2), (2,)], [(3, 2), (2,)], None),
+    "another-count": ([(3, 2)], [(3, 2), (2,)], r"^1 parameter group of 1 tensor in the file, 1 parameter group of 2"),
+    "another-shape": ([(3, 2), (2,)], [(4, 2), (2,)], r"^exp_avg of tensor 0 of parameter group 0 has shape \[3, 2\]"),
+}
+
+
+@pytest.mark.parametrize("saved,now,message", OPTIMIZER_MISMATCHES.values(), ids=OPTIMIZER_MISMATCHES.keys())
+def test_an_optimizer_state_of_other_parameters_is_told_apart(tmp_path, saved, now, message):
+    _saved_optimizer(tmp_path, *saved)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(shape)) for shape in now]}]
+    problem = optimizer_state_problem(tmp_path, groups)
+    assert problem is None if message is None else re.search(message, problem), problem

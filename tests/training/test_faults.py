@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.data.corpus import load_corpus
@@ -310,3 +311,47 @@ def test_a_full_disk_while_saving_is_one_error_naming_path_and_bytes(tiny_models
     ), error
     assert [path.name for path in checkpoint_dirs(tmp_path / "out")] == ["checkpoint-0000002"]
     assert checkpoint_problems(checkpoint_dirs(tmp_path / "out")[0]) == []
+
+
+def _other_optimizer_state(checkpoint):
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    other.step()
+    torch.save(other.state_dict(), checkpoint / "optimizer.bin")
+
+
+def _other_weights(checkpoint):
+    save_file({"x": torch.zeros(3)}, checkpoint / "model.safetensors")
+
+
+OTHER_RUNS = {
+    "optimizer-state": (
+        _other_optimizer_state,
+        r"optimizer\.bin holds the optimizer state of other parameters than the finetune stage trains \(1 parameter "
+        r"group of 1 tensor in the file, 2 parameter groups of \d+\+\d+ tensors now\)",
+    ),
+    "weights": (
+        _other_weights,
+        r"model\.safetensors holds the weights of another model than the finetune stage trains \(\d+ weights missing "
+        r"\(model\.embed_tokens\.weight, .*\); 1 weight left over \(x\)\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("replace,message", OTHER_RUNS.values(), ids=OTHER_RUNS.keys())
+def test_a_checkpoint_of_another_run_is_named_and_nothing_is_written(run_copy, capsys, replace, message):
+    """A checkpoint whose weights or optimizer state are of another model or other trainable parameters (another
+    run's, whose files verify): one line naming the file, exit status 2, and the run folder as it was."""
+    config, out = run_copy
+    for checkpoint in checkpoint_dirs(out):
+        replace(checkpoint)
+        write_manifest(checkpoint)
+    before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    arguments = ["--output-dir", str(out), "--model", config.model, "--dataset", config.dataset, "--resume"]
+    arguments += [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
+    arguments += ["--block-size", "16", "--batch-size", "2", "--eval-batch-size", "4", "--max-eval-blocks", "6"]
+    arguments += ["--attention", config.attention, "--lr", str(config.lr), "--transfer-lr", str(config.transfer_lr)]
+    capsys.readouterr()
+    assert main(["finetune", *arguments, "--seed", "0", "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"^hf-softmax-rnn finetune: error: --resume: .*checkpoint-0000004/" + message, error), error
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == before

@@ -280,6 +280,18 @@ BAD_SETTINGS = {
         dict(transfer_teacher_forcing=False),
         r"^--no-transfer-teacher-forcing has no effect without a transfer stage",
     ),
+    "state-lr-without-a-state-stage": (
+        dict(state_steps=0, state_lr=0.1),
+        r"--state-lr 0\.1 has no effect without a state stage \(--state-steps is 0\); drop --state-lr",
+    ),
+    "state-block-size-for-a-recipe-without-a-state-stage": (
+        dict(attention="hedgehog_window_64", state_block_size=2048),
+        r"--state-block-size 2048 has no effect without a state stage \(--state-steps is 0\)",
+    ),
+    "no-state-gradient-checkpointing-without-a-state-stage": (
+        dict(state_steps=0, state_gradient_checkpointing=False),
+        r"^--no-state-gradient-checkpointing has no effect without a state stage",
+    ),
     "long-eval-texts-without-long-eval": (
         dict(long_eval_texts="books.txt"),
         r"--long-eval-texts 'books\.txt' has no effect without --long-eval; drop --long-eval-texts",
@@ -300,6 +312,9 @@ BAD_SETTINGS = {
         dict(dataset="data\0.txt"),
         r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
     ),
+    "empty-output-dir": (dict(output_dir=""), r"^--output-dir '' is empty; expected a name or a path"),
+    "blank-dataset": (dict(dataset=" "), r"^--dataset ' ' is empty; expected a name or a path"),
+    "empty-model": (dict(model=""), r"^--model '' is empty; expected a name or a path"),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
@@ -310,7 +325,7 @@ BAD_SETTINGS = {
 @pytest.mark.parametrize("settings,message", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
 def test_bad_settings_are_refused(tmp_path, settings, message):
     with pytest.raises(UserInputError, match=message):
-        FinetuneConfig(output_dir=str(tmp_path), **settings)
+        FinetuneConfig(**dict(output_dir=str(tmp_path)) | settings)
 
 
 def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(tmp_path):

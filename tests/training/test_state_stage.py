@@ -20,6 +20,8 @@ from tests.training.helpers import MAX_POSITIONS, VOCAB_SIZE, direct_perplexity,
 HYBRID = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
 #: LoRA on 16-token blocks (3 steps), then the state on 48-token blocks (2 steps)
 WITH_STATE = dict(attention=HYBRID, transfer_steps=0, finetune_steps=3, state_steps=2, state_block_size=48)
+#: The same run without the state stage (whose settings it then refuses).
+NO_STATE_STAGE = dict(state_steps=0, state_block_size=None)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def test_the_state_stage_changes_only_rnn_params_of_the_lora_run(tiny_models, lo
     """The same run without stage 3 ends with the weights of stage 2: the state stage's run differs from it
     in rnn_params alone, every one of which it moved."""
     _, out, _ = lora_then_state
-    finetune(tiny_config(tiny_models["llama"], tmp_path / "lora", **WITH_STATE | dict(state_steps=0)))
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "lora", **WITH_STATE | NO_STATE_STAGE))
     before, after = weights(tmp_path / "lora"), weights(out)
     changed = {name for name in after if not torch.equal(after[name], before[name])}
     assert {name for name in changed if ".rnn_params." not in name} == set()
@@ -109,7 +111,7 @@ def test_the_state_stage_perplexity_is_the_saved_models(tiny_models, lora_then_s
 def test_the_state_stage_alone_continues_a_full_fine_tuning(tiny_models, tmp_path):
     """After full fine-tuning (no PEFT wrapper) the stage trains the layers' own rnn_params."""
     settings = WITH_STATE | dict(finetune_method="full", finetune_steps=1)
-    finetune(tiny_config(tiny_models["llama"], tmp_path / "full", **settings | dict(state_steps=0)))
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "full", **settings | NO_STATE_STAGE))
     finetune(tiny_config(tiny_models["llama"], tmp_path / "state", **settings))
     before, after = weights(tmp_path / "full"), weights(tmp_path / "state")
     changed = {name for name in after if not torch.equal(after[name], before[name])}
@@ -229,7 +231,7 @@ def test_the_state_stage_of_one_run_equals_a_second_run_on_its_saved_model(tiny_
     <folder> --teacher <original> --finetune-steps 0`) end."""
     settings = WITH_STATE | dict(finetune_method="full", finetune_steps=2)
     finetune(tiny_config(tiny_models["llama"], tmp_path / "one", **settings))
-    finetune(tiny_config(tiny_models["llama"], tmp_path / "stage_2", **settings | dict(state_steps=0)))
+    finetune(tiny_config(tiny_models["llama"], tmp_path / "stage_2", **settings | NO_STATE_STAGE))
     finetune(
         tiny_config(
             str(tmp_path / "stage_2"),
