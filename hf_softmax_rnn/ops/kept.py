@@ -382,7 +382,9 @@ def kept_step(
         takes | held,
     )
     indices = (rows.expand_as(held_key), rows.expand_as(held_value), weakest, weakest, weakest)
-    buffers = tuple(write_slots(buffer, 2, index, new, in_place) for buffer, index, new in zip(buffers, indices, slot))
+    buffers = tuple(
+        write_slots(buffer, 2, index, new, in_place) for buffer, index, new in zip(buffers, indices, slot, strict=True)
+    )
     entering_key = torch.where(takes[..., None], held_key, leaving_key)
     entering_value = torch.where(takes[..., None], held_value * held[..., None], leaving_value)
     return entering_key, entering_value, buffers

@@ -261,7 +261,7 @@ def _gather_plan(head_dim: int, order: int) -> tuple[tuple[tuple[tuple[int, ...]
         weights = []
         for monomial in monomials:
             factorials, run = 1, 1
-            for previous, index in zip(monomial[:-1], monomial[1:]):
+            for previous, index in itertools.pairwise(monomial):
                 run = run + 1 if index == previous else 1
                 factorials *= run
             weights.append(factorials**-0.5)

@@ -110,10 +110,10 @@ def window_hybrid_step(
             leaving_key, leaving_value, leaving_rank, ranks[:, :1], candidate[:, :1], buffers, in_place
         )
         names = ("kept_keys", "kept_values", "kept_scores", "kept_positions", "kept_valid")
-        fields.update(zip(names, buffers))
+        fields.update(zip(names, buffers, strict=True))
         exact.append((buffers[0], buffers[1], buffers[4]))
 
-    keys, values, visible = zip(*exact)
+    keys, values, visible = zip(*exact, strict=True)
     scaled_q = q * scale
     scores = [grouped_matmul(scaled_q, part.mT) for part in keys]  # (no copy of the keys: they are large)
     visible = torch.cat(visible, dim=-1) if len(visible) > 1 else visible[0]
@@ -123,7 +123,7 @@ def window_hybrid_step(
     row_max = row_shift(x)  # [B, Hkv, G, 1, 1]
     weights = torch.exp(x - row_max).split([part.shape[2] for part in keys], dim=-1)
     numerator = grouped_matmul(weights[0], values[0])
-    for part_weights, part in zip(weights[1:], values[1:]):
+    for part_weights, part in zip(weights[1:], values[1:], strict=True):
         numerator = numerator + grouped_matmul(part_weights, part)
     if spec.kept is not None:
         fields["left_score"] = leaving_saliency[..., 0]

@@ -164,7 +164,9 @@ def _same_dataset(saved: Any, current: Any) -> bool:
     if not (isinstance(saved, str) and isinstance(current, str)):
         return saved == current
     then, now = saved.split(SOURCE_SEPARATOR), current.split(SOURCE_SEPARATOR)
-    return len(then) == len(now) and all(_same_place(*pair, SOURCES_WITHOUT_COLUMNS) for pair in zip(then, now))
+    return len(then) == len(now) and all(
+        _same_place(*pair, SOURCES_WITHOUT_COLUMNS) for pair in zip(then, now, strict=True)
+    )
 
 
 #: The settings of the transfer stage beside its step count and learning rate, which act only where it trains.
