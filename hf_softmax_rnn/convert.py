@@ -1,5 +1,6 @@
 """Turn a pretrained Llama, GPT-2 or model of a family of Llama's pattern (Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral: `LLAMA_LIKE_FAMILIES`) into the matching softmax_rnn model with the same weights."""
+Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3: `LLAMA_LIKE_FAMILIES`) into the matching
+softmax_rnn model with the same weights."""
 
 from __future__ import annotations
 

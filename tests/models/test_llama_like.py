@@ -1,5 +1,5 @@
-"""The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral): converted models against the
-unmodified transformers models they come from."""
+"""The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3):
+converted models against the unmodified transformers models they come from."""
 
 import copy
 import re
@@ -13,16 +13,24 @@ from transformers import (
     BartConfig,
     BertConfig,
     GPT2Config,
+    GraniteConfig,
+    GraniteForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from hf_softmax_rnn import AttentionSpec, convert
@@ -35,8 +43,15 @@ from .helpers import LLAMA_SHAPE, left_padded_batch, perturb_rnn_params
 #: GQA (4 heads, 2 KV heads) with head_dim 8, and no special tokens but padding (id 0).
 SHAPE = dict(LLAMA_SHAPE, head_dim=8, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 MOE = dict(num_experts_per_tok=2)
+#: Granite's multipliers, all away from 1: the softmax scale (`attention_multiplier`, instead of 1/sqrt(8)) and the
+#: embedding, residual and logits scales of its own code.
+GRANITE_MULTIPLIERS = dict(
+    attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0
+)
 #: id -> (source class, its config): tied and untied embeddings, attention biases (Qwen2's own; Qwen3's
-#: `attention_bias`), q/k norms (Qwen3, Qwen3-MoE), experts (Qwen3-MoE, Mixtral).
+#: `attention_bias`), q/k norms per head (Qwen3, Qwen3-MoE) and over the projection (OLMo 2), experts (Qwen3-MoE,
+#: Mixtral), a fused qkv_proj with RoPE on half of each head (Phi-3), Granite's multipliers, and SmolLM3's NoPE
+#: layers (layer 1 of 2 without RoPE).
 SOURCES = {
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
     "mistral-tied": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None, tie_word_embeddings=True)),
@@ -46,6 +61,17 @@ SOURCES = {
     "qwen3-tied-bias": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=True, attention_bias=True)),
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, **MOE, num_experts=4, moe_intermediate_size=16)),
     "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **MOE, num_local_experts=4)),
+    "phi3-partial-rotary": (Phi3ForCausalLM, Phi3Config(**SHAPE, partial_rotary_factor=0.5)),
+    "phi3-tied": (Phi3ForCausalLM, Phi3Config(**SHAPE, tie_word_embeddings=True)),
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SHAPE)),
+    "olmo2-tied-bias": (Olmo2ForCausalLM, Olmo2Config(**SHAPE, tie_word_embeddings=True, attention_bias=True)),
+    "granite": (GraniteForCausalLM, GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS)),
+    "granite-tied": (GraniteForCausalLM, GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS, tie_word_embeddings=True)),
+    "smollm3-nope": (SmolLM3ForCausalLM, SmolLM3Config(**SHAPE, no_rope_layer_interval=2)),
+    "smollm3-nope-untied": (
+        SmolLM3ForCausalLM,
+        SmolLM3Config(**SHAPE, no_rope_layer_interval=2, tie_word_embeddings=False),
+    ),
 }
 FINITE_STATE_SPECS = {
     "linear_elu": "linear_elu",
@@ -148,8 +174,10 @@ def test_every_family_is_registered_under_its_model_type():
         (MixtralConfig(**SHAPE, sliding_window=16), "all"),
         (Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\[1\]"),
         (Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "all"),
+        (Phi3Config(**SHAPE, sliding_window=16), "all"),
+        (SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2), r"\[1\]"),
     ],
-    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3"],
+    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3", "phi3", "smollm3-nope-layer-1"],
 )
 def test_a_sliding_window_is_refused_from_the_config_before_the_weights_load(config, layers, tmp_path):
     message = rf"layers {layers} attend to the last sliding_window=16 positions only"
