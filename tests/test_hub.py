@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -54,6 +56,9 @@ SOURCES = {
         GraniteConfig(
             **LLAMA_SHAPE, attention_multiplier=0.2, embedding_multiplier=3.0, logits_scaling=2.0, pad_token_id=0
         )
+    ),
+    "gemma2": lambda: Gemma2ForCausalLM(
+        Gemma2Config(**LLAMA_SHAPE, head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=None)
     ),
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**LLAMA_SHAPE, no_rope_layer_interval=2, pad_token_id=0)),
 }

@@ -4,9 +4,10 @@ A family fits when its attention module has q_proj, k_proj, v_proj (or one fused
 and o_proj, applies RoPE with its modeling file's `apply_rotary_pos_emb` (after an optional RMSNorm
 of the queries and keys, `q_norm` / `k_norm`, per head as in Qwen3 or over the whole projection as in
 OLMo 2; skipped in a layer whose module has `use_rope` false, SmolLM3's NoPE layers), scales q.k by
-its module's `scaling` (Granite's `attention_multiplier`), is built as `Attention(config, layer_idx)`
-and sits at `self_attn` of its decoder layers; the rest of the model (MLP or mixture of experts,
-norms, embeddings and their multipliers) stays as it is. The softmax_rnn config, model and attention
+its module's `scaling` (Granite's `attention_multiplier`, Gemma 2's `query_pre_attn_scalar`), is built
+as `Attention(config, layer_idx)` and sits at `self_attn` of its decoder layers; the rest of the model
+(MLP or mixture of experts, norms, embeddings and their multipliers, Gemma 2's final logit
+soft-capping) stays as it is. The softmax_rnn config, model and attention
 classes of each family are made from its line (`configuration_softmax_rnn_llama_like`,
 `modeling_softmax_rnn_llama_like`).
 """
@@ -17,6 +18,12 @@ import dataclasses
 
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.models.gemma2.modeling_gemma2 import (
+    Gemma2Attention,
+    Gemma2DecoderLayer,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+)
 from transformers.models.granite.modeling_granite import (
     GraniteAttention,
     GraniteDecoderLayer,
@@ -110,6 +117,7 @@ LLAMA_LIKE_FAMILIES = (
     LlamaLikeFamily(Olmo2ForCausalLM, Olmo2Model, Olmo2DecoderLayer, Olmo2Attention, qk_norm="projection"),
     LlamaLikeFamily(GraniteForCausalLM, GraniteModel, GraniteDecoderLayer, GraniteAttention),
     LlamaLikeFamily(SmolLM3ForCausalLM, SmolLM3Model, SmolLM3DecoderLayer, SmolLM3Attention),
+    LlamaLikeFamily(Gemma2ForCausalLM, Gemma2Model, Gemma2DecoderLayer, Gemma2Attention),
 )
 
 
@@ -121,7 +129,7 @@ def declares(config_class: type[PreTrainedConfig], name: str) -> bool:
 def sliding_window_layers(config: PreTrainedConfig) -> list[int]:
     """The layers in which a model of a family's `config` attends to only the last `config.sliding_window`
     positions, when that is set: those whose `layer_types` entry is "sliding_attention" where the config has
-    `layer_types` (Qwen2, Qwen3, SmolLM3), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3)."""
+    `layer_types` (Qwen2, Qwen3, SmolLM3, Gemma 2), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3)."""
     if getattr(config, "sliding_window", None) is None:
         return []
     if declares(type(config), "layer_types"):
