@@ -222,13 +222,25 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
             "layer_types=['full_attention'] * 2",
         ),
         (
+            Phi3ForCausalLM,
+            Phi3Config(**SHAPE, sliding_window=16),
+            dict(sliding_window=None),
+            "sliding_window=None",
+        ),
+        (
+            SmolLM3ForCausalLM,
+            SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2),
+            dict(layer_types=["full_attention"] * 2),
+            "layer_types=['full_attention'] * 2",
+        ),
+        (
             Gemma2ForCausalLM,
             Gemma2Config(**SHAPE),
             dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
             "attn_logit_softcapping=None",
         ),
     ],
-    ids=["mistral", "qwen2", "gemma2"],
+    ids=["mistral", "qwen2", "phi3", "smollm3", "gemma2"],
 )
 def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
     """The settings the refusals name (`sliding_window=None`, or full-attention `layer_types`; no soft-capping)
