@@ -1,5 +1,6 @@
 """Turn a pretrained Llama, GPT-2 or model of a family of Llama's pattern (Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral: `LLAMA_LIKE_FAMILIES`) into the matching softmax_rnn model with the same weights."""
+Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3, Gemma 2: `LLAMA_LIKE_FAMILIES`) into the
+matching softmax_rnn model with the same weights."""
 
 from __future__ import annotations
 
@@ -75,18 +76,31 @@ def check_convertible(config: PreTrainedConfig) -> None:
     """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
     naming its `model_type` and the types `convert` takes; ValueError for a model of such a type whose
     attention the converted model cannot reproduce (cross-attention, bidirectional attention, a sliding
-    window), naming the setting."""
+    window, soft-capped attention scores), naming the setting."""
     model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
     if config.model_type not in model_types:
         raise TypeError(
             f"convert() takes a model of type {sorted(model_types)} ({', '.join(model_types.values())}); got "
             f"model_type {config.model_type!r} ({', '.join(config.architectures or []) or 'no architectures'})"
         )
-    for setting, refused in (("add_cross_attention", True), ("is_encoder_decoder", True), ("is_causal", False)):
+    for setting, refused in (
+        ("add_cross_attention", True),
+        ("is_encoder_decoder", True),
+        ("is_causal", False),
+        ("use_bidirectional_attention", True),
+    ):
         if getattr(config, setting, not refused) == refused:
             raise ValueError(
                 f"convert() takes causal self-attention only; this {config.model_type} model has {setting}={refused}"
             )
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(
+            f"convert() cannot keep the attention logit soft-capping of this {config.model_type} model: "
+            f"attn_logit_softcapping={cap} is not supported (softmax_rnn layers score q.k without a cap, so the "
+            "converted model would differ); to convert it anyway, without the cap, load it with "
+            "attn_logit_softcapping=None"
+        )
     if config.model_type in {family.config_class.model_type for family in LLAMA_LIKE_FAMILIES}:
         sliding = sliding_window_layers(config)
         if sliding:

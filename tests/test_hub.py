@@ -12,14 +12,24 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForCausalLM, convert
@@ -40,9 +50,20 @@ SOURCES = {
     "mixtral": lambda: MixtralForCausalLM(
         MixtralConfig(**LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
     ),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**LLAMA_SHAPE, partial_rotary_factor=0.5, pad_token_id=0)),
+    "olmo2": lambda: Olmo2ForCausalLM(Olmo2Config(**LLAMA_SHAPE, pad_token_id=0)),
+    "granite": lambda: GraniteForCausalLM(
+        GraniteConfig(
+            **LLAMA_SHAPE, attention_multiplier=0.2, embedding_multiplier=3.0, logits_scaling=2.0, pad_token_id=0
+        )
+    ),
+    "gemma2": lambda: Gemma2ForCausalLM(
+        Gemma2Config(**LLAMA_SHAPE, head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=None)
+    ),
+    "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**LLAMA_SHAPE, no_rope_layer_interval=2, pad_token_id=0)),
 }
 #: The flat modeling and configuration files a family's checkpoint names: `<kind>_softmax_rnn_<stem>.py`.
-FLAT_STEMS = {"llama": "llama", "gpt2": "gpt2", "qwen3": "llama_like", "mixtral": "llama_like"}
+FLAT_STEMS = {family: "llama_like" for family in SOURCES} | {"llama": "llama", "gpt2": "gpt2"}
 SAVED_CLASSES = (
     SoftmaxRNNGPT2LMHeadModel,
     SoftmaxRNNLlamaForCausalLM,

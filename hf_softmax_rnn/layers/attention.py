@@ -357,11 +357,16 @@ def _warn_attention_dropout(module: nn.Module, probability: float) -> None:
 
 class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
     """The attention of Llama's pattern computing `config.attention_spec(layer_idx)`: put it first among the
-    bases of a transformers attention module with q_proj, k_proj, v_proj and o_proj, an optional RMSNorm per
-    head of the queries and keys before RoPE (`q_norm`, `k_norm`, as in Qwen3), and RoPE applied by
-    `apply_rotary_pos_emb(q, k, cos, sin)` (the function of the module's own modeling file)."""
+    bases of a transformers attention module with q_proj, k_proj, v_proj (`QKV_PROJECTIONS`; or one fused
+    projection of q, then k, then v, as Phi-3's qkv_proj) and o_proj, an optional RMSNorm of the queries and
+    keys before RoPE (`q_norm`, `k_norm`: per head as in Qwen3, or over the whole projection as in OLMo 2,
+    `QK_NORM`), RoPE applied by `apply_rotary_pos_emb(q, k, cos, sin)` (the function of the module's own
+    modeling file) unless the module's `use_rope` is false (SmolLM3's NoPE layers), and q.k scaled by the
+    module's `scaling` (Granite's `attention_multiplier`)."""
 
     QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+    #: Where `q_norm` / `k_norm` normalise: "head" (each head's D features) or "projection" (all H * D).
+    QK_NORM = "head"
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -372,6 +377,12 @@ class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
             num_kv_heads=config.num_key_value_heads,
             head_dim=self.head_dim,
             hidden_size=config.hidden_size,
+        )
+        #: The widths of q, k and v in the output of a fused projection.
+        self.qkv_widths = (
+            config.num_attention_heads * self.head_dim,
+            config.num_key_value_heads * self.head_dim,
+            config.num_key_value_heads * self.head_dim,
         )
         _warn_attention_dropout(self, config.attention_dropout or 0.0)
 
@@ -392,15 +403,22 @@ class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
     def project_qkv(self, hidden_states: torch.Tensor, position_embeddings, frozen: bool = False):
         """q `[B, H, L, D]`, k, v `[B, Hkv, L, D]` (q/k norms, then RoPE, applied), with the frozen teacher
         weights if `frozen`."""
+        if len(self.QKV_PROJECTIONS) == 1:
+            fused = self.projection(self.QKV_PROJECTIONS[0], hidden_states, frozen)
+            query, key, value = fused.split(self.qkv_widths, dim=-1)
+        else:
+            query, key, value = (self.projection(name, hidden_states, frozen) for name in self.QKV_PROJECTIONS)
+        has_qk_norm = getattr(self, "q_norm", None) is not None
+        if has_qk_norm and self.QK_NORM == "projection":
+            query, key = self.q_norm(query), self.k_norm(key)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (
-            self.projection(name, hidden_states, frozen).view(hidden_shape) for name in self.QKV_PROJECTIONS
-        )
-        if getattr(self, "q_norm", None) is not None:
+        query, key, value = (x.view(hidden_shape) for x in (query, key, value))
+        if has_qk_norm and self.QK_NORM == "head":
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        cos, sin = position_embeddings
-        query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
+        if getattr(self, "use_rope", True):
+            cos, sin = position_embeddings
+            query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
 
     apply_rotary_pos_emb = staticmethod(apply_rotary_pos_emb)
@@ -410,10 +428,17 @@ class SoftmaxRNNLlamaAttention(SoftmaxRNNLlamaLikeAttentionMixin, LlamaAttention
     """`LlamaAttention` (same q/k/v/o projections and RoPE) computing `config.attention_spec(layer_idx)`."""
 
 
-def llama_like_attention_class(attention_class: type[nn.Module], module: str) -> type[nn.Module]:
+def llama_like_attention_class(
+    attention_class: type[nn.Module],
+    module: str,
+    *,
+    qkv_projections: tuple[str, ...] = SoftmaxRNNLlamaLikeAttentionMixin.QKV_PROJECTIONS,
+    qk_norm: str = SoftmaxRNNLlamaLikeAttentionMixin.QK_NORM,
+) -> type[nn.Module]:
     """`SoftmaxRNN<attention_class>`, defined in `module`: `attention_class` (a module of Llama's pattern, see
     `SoftmaxRNNLlamaLikeAttentionMixin`) computing `config.attention_spec(layer_idx)`, with the RoPE function of
-    `attention_class`'s modeling file."""
+    `attention_class`'s modeling file, its q/k/v projections `qkv_projections` (three names, or one fused) and
+    its q/k norms over `qk_norm` ("head" or "projection")."""
     name = f"SoftmaxRNN{attention_class.__name__}"
     rotary = sys.modules[attention_class.__module__].apply_rotary_pos_emb
     namespace = {
@@ -421,6 +446,8 @@ def llama_like_attention_class(attention_class: type[nn.Module], module: str) ->
         "__qualname__": name,
         "__doc__": f"`{attention_class.__name__}` computing `config.attention_spec(layer_idx)`.",
         "apply_rotary_pos_emb": staticmethod(rotary),
+        "QKV_PROJECTIONS": tuple(qkv_projections),
+        "QK_NORM": qk_norm,
     }
     return type(name, (SoftmaxRNNLlamaLikeAttentionMixin, attention_class), namespace)
 

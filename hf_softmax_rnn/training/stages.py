@@ -33,27 +33,35 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_softmax_rnn.layers import set_attention_transfer, transfer_losses
 from hf_softmax_rnn.layers.attention import softmax_rnn_attention_modules
+from hf_softmax_rnn.models.llama_like.families import LLAMA_LIKE_FAMILIES
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.distill import distillation_loss
 
 logger = logging.getLogger(__name__)
 
 RNN_PARAMS = "rnn_params"
-#: Default LoRA targets per model type (suffixes of module names, as PEFT matches them).
+#: Default LoRA targets per model type (suffixes of module names, as PEFT matches them): the attention projections,
+#: for each family of Llama's pattern its q/k/v projections (or fused qkv_proj) and o_proj.
 LORA_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "softmax_rnn_llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gpt2": ["attn.c_attn", "attn.c_proj"],
     "softmax_rnn_gpt2": ["attn.c_attn", "attn.c_proj"],
+    **{
+        model_type: [*family.qkv_projections, "o_proj"]
+        for family in LLAMA_LIKE_FAMILIES
+        for model_type in (family.config_class.model_type, family.model_type)
+    },
 }
 #: Attention-transfer fallback when the converted layers have no learned parameters:
-#: the projections that make q and k, per model type.
+#: the projections that make q and k, per model type (a fused projection makes v too).
 QUERY_KEY_PROJECTIONS: dict[str, list[str]] = {
     "softmax_rnn_llama": ["q_proj", "k_proj"],
     "softmax_rnn_gpt2": ["c_attn"],
+    **{family.model_type: list(family.qkv_projections[:2]) for family in LLAMA_LIKE_FAMILIES},
 }
 #: Submodules of an attention layer that its pre-projection output (what attention transfer compares) depends on.
-FEED_ATTENTION_OUTPUT = frozenset({RNN_PARAMS, "q_proj", "k_proj", "v_proj", "c_attn"})
+FEED_ATTENTION_OUTPUT = frozenset({RNN_PARAMS, "q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn"})
 #: Module types LoRA can adapt here (GPT-2's projections are transformers' Conv1D).
 _LORA_MODULE_TYPES = (nn.Linear, Conv1D)
 

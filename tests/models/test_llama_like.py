@@ -1,5 +1,5 @@
-"""The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral): converted models against the
-unmodified transformers models they come from."""
+"""The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3,
+Gemma 2): converted models against the unmodified transformers models they come from."""
 
 import copy
 import re
@@ -12,17 +12,27 @@ from transformers import (
     AutoModelForCausalLM,
     BartConfig,
     BertConfig,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
+    GraniteConfig,
+    GraniteForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from hf_softmax_rnn import AttentionSpec, convert
@@ -35,8 +45,18 @@ from .helpers import LLAMA_SHAPE, left_padded_batch, perturb_rnn_params
 #: GQA (4 heads, 2 KV heads) with head_dim 8, and no special tokens but padding (id 0).
 SHAPE = dict(LLAMA_SHAPE, head_dim=8, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 MOE = dict(num_experts_per_tok=2)
+#: Granite's multipliers, all away from 1: the softmax scale (`attention_multiplier`, instead of 1/sqrt(8)) and the
+#: embedding, residual and logits scales of its own code.
+GRANITE_MULTIPLIERS = dict(
+    attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0
+)
+#: Gemma 2 as it converts: every layer full attention, no attention soft-capping; its own softmax scale
+#: (`query_pre_attn_scalar` 4 instead of head_dim 8) and the final logit soft-capping of its own code.
+GEMMA2 = dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None, query_pre_attn_scalar=4)
 #: id -> (source class, its config): tied and untied embeddings, attention biases (Qwen2's own; Qwen3's
-#: `attention_bias`), q/k norms (Qwen3, Qwen3-MoE), experts (Qwen3-MoE, Mixtral).
+#: `attention_bias`), q/k norms per head (Qwen3, Qwen3-MoE) and over the projection (OLMo 2), experts (Qwen3-MoE,
+#: Mixtral), a fused qkv_proj with RoPE on half of each head (Phi-3), Granite's multipliers, and SmolLM3's NoPE
+#: layers (layer 1 of 2 without RoPE), Gemma 2's scale.
 SOURCES = {
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
     "mistral-tied": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None, tie_word_embeddings=True)),
@@ -46,6 +66,19 @@ SOURCES = {
     "qwen3-tied-bias": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=True, attention_bias=True)),
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, **MOE, num_experts=4, moe_intermediate_size=16)),
     "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **MOE, num_local_experts=4)),
+    "phi3-partial-rotary": (Phi3ForCausalLM, Phi3Config(**SHAPE, partial_rotary_factor=0.5)),
+    "phi3-tied": (Phi3ForCausalLM, Phi3Config(**SHAPE, tie_word_embeddings=True)),
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SHAPE)),
+    "olmo2-tied-bias": (Olmo2ForCausalLM, Olmo2Config(**SHAPE, tie_word_embeddings=True, attention_bias=True)),
+    "granite": (GraniteForCausalLM, GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS)),
+    "granite-tied": (GraniteForCausalLM, GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS, tie_word_embeddings=True)),
+    "smollm3-nope": (SmolLM3ForCausalLM, SmolLM3Config(**SHAPE, no_rope_layer_interval=2)),
+    "smollm3-nope-untied": (
+        SmolLM3ForCausalLM,
+        SmolLM3Config(**SHAPE, no_rope_layer_interval=2, tie_word_embeddings=False),
+    ),
+    "gemma2-tied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, final_logit_softcapping=30.0)),
+    "gemma2-untied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, tie_word_embeddings=False)),
 }
 FINITE_STATE_SPECS = {
     "linear_elu": "linear_elu",
@@ -131,7 +164,7 @@ def test_the_static_cache_decodes_as_the_dynamic_one():
 
 def test_every_family_is_registered_under_its_model_type():
     for family in LLAMA_LIKE_FAMILIES:
-        source_config = family.config_class(**SHAPE, sliding_window=None)
+        source_config = family.config_class(**SHAPE, sliding_window=None, attn_logit_softcapping=None)
         assert converted_model_type(source_config) == family.model_type
         config = AutoConfig.for_model(family.model_type, **SHAPE, attention="linear_elu")
         assert type(config) is LLAMA_LIKE_CONFIGS[family.name]
@@ -148,8 +181,11 @@ def test_every_family_is_registered_under_its_model_type():
         (MixtralConfig(**SHAPE, sliding_window=16), "all"),
         (Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\[1\]"),
         (Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "all"),
+        (Phi3Config(**SHAPE, sliding_window=16), "all"),
+        (SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2), r"\[1\]"),
+        (Gemma2Config(**SHAPE, sliding_window=16, attn_logit_softcapping=None), r"\[0\]"),
     ],
-    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3"],
+    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3", "phi3", "smollm3-nope-layer-1", "gemma2-layer-0"],
 )
 def test_a_sliding_window_is_refused_from_the_config_before_the_weights_load(config, layers, tmp_path):
     message = rf"layers {layers} attend to the last sliding_window=16 positions only"
@@ -185,20 +221,54 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
             dict(layer_types=["full_attention"] * 2),
             "layer_types=['full_attention'] * 2",
         ),
+        (
+            Phi3ForCausalLM,
+            Phi3Config(**SHAPE, sliding_window=16),
+            dict(sliding_window=None),
+            "sliding_window=None",
+        ),
+        (
+            SmolLM3ForCausalLM,
+            SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2),
+            dict(layer_types=["full_attention"] * 2),
+            "layer_types=['full_attention'] * 2",
+        ),
+        (
+            Gemma2ForCausalLM,
+            Gemma2Config(**SHAPE),
+            dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
+            "attn_logit_softcapping=None",
+        ),
     ],
-    ids=["mistral", "qwen2"],
+    ids=["mistral", "qwen2", "phi3", "smollm3", "gemma2"],
 )
 def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
-    """The setting the refusal names (`sliding_window=None`, or full-attention `layer_types`) converts the model
-    as the full-attention model transformers loads with it."""
+    """The settings the refusals name (`sliding_window=None`, or full-attention `layer_types`; no soft-capping)
+    convert the model as the full-attention model transformers loads with them (on the tokens: Gemma 2's eager
+    attention gives padded positions other values)."""
     model_class(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
         convert(tmp_path, "softmax")
     converted = convert(tmp_path, "softmax", **full_attention)
     reference = model_class.from_pretrained(tmp_path, **full_attention).eval()
     ids, mask = left_padded_batch(lengths=(24, 12))
+    visible = mask.bool()
     assert converted.config.sliding_window is None
-    torch.testing.assert_close(logits(converted, ids, mask), logits(reference, ids, mask), atol=2e-6, rtol=0)
+    expected = logits(reference, ids, mask)[visible]
+    torch.testing.assert_close(logits(converted, ids, mask)[visible], expected, atol=2e-6, rtol=0)
+
+
+def test_attention_soft_capping_is_refused_from_the_config_before_the_weights_load(tmp_path):
+    config = Gemma2Config(**SHAPE, layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
+    message = r"attn_logit_softcapping=50.0 is not supported .* load it with attn_logit_softcapping=None"
+    with pytest.raises(ValueError, match=message):
+        check_convertible(config)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        convert(tmp_path, "linear_elu")
+    with pytest.raises(StrictDataclassClassValidationError, match="softmax_rnn_gemma2 has attn_logit_softcapping=50.0"):
+        LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0)
+    assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE).attn_logit_softcapping is None
 
 
 def test_converted_configs_refuse_a_sliding_window():

@@ -1,4 +1,4 @@
-"""End-to-end fine-tuning of tiny random Llama and GPT-2 checkpoints."""
+"""End-to-end fine-tuning of tiny random Llama and GPT-2 checkpoints, and of the other families."""
 
 import json
 import math
@@ -9,9 +9,22 @@ import sys
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
 
 from hf_softmax_rnn import AttentionSpec, convert
+from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
@@ -19,7 +32,8 @@ from hf_softmax_rnn.long_context import extend_context
 from hf_softmax_rnn.training import Finetuner, finetune
 from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
 from hf_softmax_rnn.training.metrics import read_metrics
-from tests.training.helpers import VOCAB_SIZE, direct_perplexity, tiny_config, weights
+from tests.models.helpers import LLAMA_SHAPE
+from tests.training.helpers import MAX_POSITIONS, VOCAB_SIZE, direct_perplexity, tiny_config, weights, word_tokenizer
 
 END_TO_END = {
     "llama-l2norm-lora": ("llama", "gated_softmax_no_gate_L2norm_nodivS_noclamp", "lora"),
@@ -27,6 +41,67 @@ END_TO_END = {
     "gpt2-elu-lora": ("gpt2", "linear_elu", "lora"),
     "gpt2-divSnorm-full": ("gpt2", "softmax_divS_norm", "full"),
 }
+
+
+#: A tiny checkpoint of each family whose attention differs most from Llama's: (causal LM, config, fine-tuning method,
+#: the projections that make q and k, which attention transfer trains for linear elu).
+FAMILY_SHAPE = LLAMA_SHAPE | dict(
+    vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS, bos_token_id=None, eos_token_id=1, pad_token_id=None
+)
+FAMILY_RUNS = {
+    "phi3-fused-qkv-lora": (Phi3ForCausalLM, Phi3Config(**FAMILY_SHAPE), "lora", ["qkv_proj"]),
+    "olmo2-full": (Olmo2ForCausalLM, Olmo2Config(**FAMILY_SHAPE), "full", ["q_proj", "k_proj"]),
+    "granite-lora": (
+        GraniteForCausalLM,
+        GraniteConfig(**FAMILY_SHAPE, attention_multiplier=0.2, embedding_multiplier=3.0, logits_scaling=2.0),
+        "lora",
+        ["q_proj", "k_proj"],
+    ),
+    "smollm3-nope-full": (
+        SmolLM3ForCausalLM,
+        SmolLM3Config(**FAMILY_SHAPE, no_rope_layer_interval=2),
+        "full",
+        ["q_proj", "k_proj"],
+    ),
+    "gemma2-lora": (
+        Gemma2ForCausalLM,
+        Gemma2Config(**FAMILY_SHAPE, head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
+        "lora",
+        ["q_proj", "k_proj"],
+    ),
+}
+
+
+@pytest.mark.parametrize("model_class,config,method,query_key", FAMILY_RUNS.values(), ids=FAMILY_RUNS.keys())
+def test_the_cli_finetunes_a_checkpoint_of_each_family(tmp_path, model_class, config, method, query_key):
+    """`hf-softmax-rnn finetune --model DIR`: attention transfer trains the q/k projections (linear elu has no
+    rnn_params), LoRA adapts the family's attention projections, and the saved model is the one evaluated."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(source)
+    word_tokenizer().save_pretrained(source)
+    arguments = ["--model", str(source), "--output-dir", str(out), "--attention", "linear_elu", "--no-progress"]
+    arguments += ["--finetune-method", method, "--block-size", "16", "--batch-size", "2", "--eval-batch-size", "4"]
+    arguments += ["--max-eval-blocks", "6", "--transfer-steps", "2", "--finetune-steps", "2", "--eval-every", "2"]
+    arguments += ["--transfer-lr", "1e-2", "--lr", "1e-2", "--seed", "0"]
+    assert main(["finetune", *arguments]) == 0
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == f"SoftmaxRNN{model_class.__name__}"
+    assert reloaded.config.attention_spec(0) == AttentionSpec.from_preset("linear_elu")
+    evaluations = json.loads((out / "results.json").read_text())["evaluations"]
+    assert list(evaluations) == ["base", "converted", "transfer", "finetune"]
+    assert evaluations["finetune"]["perplexity"] == pytest.approx(direct_perplexity(reloaded, str(source), 16, 6))
+    original, trained = weights(source), weights(out)
+    changed = {name for name, tensor in original.items() if not torch.equal(trained[name], tensor)}
+    attention = {name for name in changed if ".self_attn." in name}
+    assert {name.split(".")[-2] for name in attention} >= set(query_key)
+    if method == "lora":
+        adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        projections = [*query_key, "v_proj"] if query_key != ["qkv_proj"] else query_key
+        assert set(adapter["target_modules"]) == {*projections, "o_proj"}
+    else:
+        assert changed - attention, "full fine-tuning changed no weight outside the attention"
 
 
 @pytest.mark.parametrize("family,attention,method", END_TO_END.values(), ids=END_TO_END.keys())

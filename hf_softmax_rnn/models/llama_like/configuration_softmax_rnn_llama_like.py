@@ -19,7 +19,8 @@ from hf_softmax_rnn.models.llama_like.families import LLAMA_LIKE_FAMILIES, Llama
 class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: every layer
     attends to every earlier position, so a sliding window is refused (`sliding_window` must be None, and
-    `layer_types` given to a family's config, Qwen2's or Qwen3's, may only name full attention)."""
+    `layer_types` given to a family's config, Qwen2's or Qwen3's, may only name full attention), and scores
+    q.k without a cap (Gemma 2's `attn_logit_softcapping` must be None)."""
 
     @property
     def layer_types(self) -> list[str]:
@@ -45,11 +46,20 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
                 "AttentionSpec's window is that of a finite-state hybrid); expected sliding_window=None"
             )
 
+    def validate_attn_logit_softcapping(self) -> None:
+        """Part of `@strict` validation."""
+        cap = getattr(self, "attn_logit_softcapping", None)
+        if cap is not None:
+            raise ValueError(
+                f"{self.model_type} has attn_logit_softcapping={cap}: its layers score q.k without a cap; expected "
+                "attn_logit_softcapping=None"
+            )
+
 
 def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
     """`SoftmaxRNN<Family>Config`: the family's config plus the attention choice (`attention`,
-    `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window`
-    None by default."""
+    `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window` and
+    `attn_logit_softcapping` None by default."""
 
     @strict
     class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
@@ -60,6 +70,8 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
         attention_mode: str = "chunked"
         if declares(family.config_class, "sliding_window"):
             sliding_window: int | None = None
+        if declares(family.config_class, "attn_logit_softcapping"):
+            attn_logit_softcapping: float | None = None
 
         def __post_init__(self, **kwargs: Any) -> None:
             self.validate_attention()
