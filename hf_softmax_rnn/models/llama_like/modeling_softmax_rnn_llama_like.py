@@ -26,7 +26,7 @@ def _mask_per_layer_type(base_model: PreTrainedModel, args: tuple, kwargs: dict)
     """Forward pre-hook of a base model that looks up each layer's mask by its `config.layer_types` entry
     (Qwen2, Qwen3): the mask `create_causal_mask` makes (the padding mask) for every layer type, the
     recurrent one included, which the base model's own mapping lacks."""
-    inputs = {**dict(zip(base_model._mask_argument_names, args)), **kwargs}
+    inputs = {**dict(zip(base_model._mask_argument_names, args, strict=False)), **kwargs}  # (args: the first few)
     attention_mask = inputs.get("attention_mask")
     if isinstance(attention_mask, dict):
         return None
