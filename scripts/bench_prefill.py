@@ -172,6 +172,7 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    commit = _commit()  # (the code that runs: taken before a long run, during which the checkout may move on)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     set_threads(args.threads)
     original = default_model() if args.model == "default" else load_causal_lm(args.model, args.model)
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     models = {ORIGINAL: original.eval(), CONVERTED: converted.eval()}
     results = measure(models, sorted(args.lengths), args.rounds, args.seed)
     provenance = (
-        f"{datetime.date.today()}, commit {_commit()}, {hardware_name(torch.device('cpu'))}, "
+        f"{datetime.date.today()}, commit {commit}, {hardware_name(torch.device('cpu'))}, "
         f"float32: `python scripts/bench_prefill.py {' '.join(sys.argv[1:])}`"
     )
     body = [f"converted: {converted_name}; best of {args.rounds} interleaved rounds", "", *table(results)]
