@@ -57,8 +57,8 @@ def _spec(name: str) -> AttentionSpec:
         return AttentionSpec.from_preset(name)
 
 
-def test_the_attention_page_lists_every_preset_once_in_order():
-    page = (DOCS / "attention.md").read_text()
+def test_the_presets_page_lists_every_preset_once_in_order():
+    page = (DOCS / "presets.md").read_text()
     assert page.count(HOOKS.PRESET_TABLE_MARKER) == 1
     rows = _preset_rows(HOOKS.on_page_markdown(page))
     assert list(rows) == list(PRESETS)
