@@ -126,7 +126,13 @@ def attention(
             f"attention: spec must be an AttentionSpec, a dict of its fields or a preset name; got {spec!r}"
         )
     spec = AttentionSpec.coerce(spec)
-    check_arguments(gates, params, scale, max_state_bytes)
+    check_arguments(
+        gates,
+        params,
+        scale,
+        max_state_bytes,
+        {"return_state": return_state, "update_state_in_place": update_state_in_place},
+    )
     gates, params = gates or {}, params or AttentionParams()
     check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
     if io_dtype is not None and io_dtype not in INPUT_DTYPES:

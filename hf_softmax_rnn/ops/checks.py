@@ -70,8 +70,12 @@ def _check_shapes(q, k, v) -> None:
         raise ValueError(f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
-def check_arguments(gates, params, scale, max_state_bytes) -> None:
-    """The types and ranges of the arguments other than the tensors, the spec, the mode and the state."""
+def check_arguments(gates, params, scale, max_state_bytes, switches: dict[str, object] | None = None) -> None:
+    """The types and ranges of the arguments other than the tensors, the spec, the mode and the state;
+    `switches`: {name: value} of the flag arguments, each a bool (a string such as "no" would read as true)."""
+    for name, value in (switches or {}).items():
+        if not isinstance(value, bool):
+            raise TypeError(f"attention: {name}={value!r} is not allowed; expected True or False")
     if gates is not None and not isinstance(gates, Mapping):
         raise TypeError(
             "attention: gates must be None or a dict of tensors ('output', 'decay', 'delta'); got "

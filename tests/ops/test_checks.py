@@ -115,6 +115,8 @@ def _modified(name):
         "float16_k": dict(k=k.half()),
         "float8_tensors": dict(q=q.to(torch.float8_e4m3fn), k=k.to(torch.float8_e4m3fn), v=v.to(torch.float8_e4m3fn)),
         "no_sequences_chunked": dict(q=q[:0], k=k[:0], v=v[:0], mode="chunked"),
+        "return_state_string": dict(mode="chunked", return_state="no"),
+        "update_state_in_place_int": dict(mode="recurrent", update_state_in_place=1),
         "hedgehog_maps_of_another_head_size": dict(
             spec=AttentionSpec.from_preset("linear_hedgehog"),
             params=AttentionParams(hedgehog_q=torch.zeros(4, 16, 16), hedgehog_k=torch.zeros(2, 16, 16)),
@@ -129,6 +131,8 @@ _BAD_ARGUMENTS = [
     ("int_tensors", TypeError, r"q has dtype torch.int64; expected one of \['float64', 'float32', 'bfloat16'"),
     ("float8_tensors", TypeError, r"q has dtype torch.float8_e4m3fn; expected one of \['float64'"),
     ("no_sequences_chunked", ValueError, r"have 0 sequences, 4 query heads.*expected at least 1 of each"),
+    ("return_state_string", TypeError, r"return_state='no' is not allowed; expected True or False"),
+    ("update_state_in_place_int", TypeError, r"update_state_in_place=1 is not allowed; expected True or False"),
     (
         "hedgehog_maps_of_another_head_size",
         ValueError,
