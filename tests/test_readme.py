@@ -187,6 +187,7 @@ def check_command(line: str) -> list[str] | None:
         "scripts/bench_recovery.py",
         "scripts/reproduce_paper.py",
         "scripts/bench_generate.py",
+        "scripts/bench_prefill.py",
         "scripts/bench_ops.py",
         "scripts/bench_serve.py",
         "scripts/bench_train.py",

@@ -151,13 +151,14 @@ def _flash_band(q, keys, values, key_valid, scale, window, block) -> tuple[torch
 
 
 def flash_applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `flash_block_part` can compute a block part of these inputs: on a CPU, without autograd
+    """Whether `flash_block_part` can compute a block part of these inputs: on a CPU, eager, without autograd
     (the kernel returns the log-sum-exp without its gradient), with values one column (the weight
     column) wider than the keys, as the kernel reads values of the keys' width, and a weight column of
     ones and zeros, zero only on rows that are zero throughout (as `ops.attention` builds it: 0 at
     padding and for a sink on its way to the finite state), so that a row of weight 0 is a row left out."""
     if not (
         q.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # (compiled, the block forms fuse; the weight check is data-dependent)
         and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values)))
         and values.shape[-1] == keys.shape[-1] + 1
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")

@@ -12,7 +12,10 @@ from ..training.helpers import save_tiny_model, word_tokenizer
 #: (command, its flags besides --dataset, its output flag)
 COMMANDS = {
     "finetune": (["--model", "{llama}", "--block-size", "16", "--no-progress"], "--output-dir"),
-    "demo": (["--model", "{llama}", "--presets", "softmax", "--contexts", "8", "--new-tokens", "2"], "--output"),
+    "demo": (
+        ["--model", "{llama}", "--presets", "softmax", "--contexts", "8", "--new-tokens", "2", "--eval-window", "32"],
+        "--output",
+    ),
     "taylor-terms": (["{llama}", "--block-size", "16", "--num-blocks", "1", "--no-progress"], "--output-dir"),
     "ablate": (["--quick", "--variants", "softmax", "--no-progress"], "--output-dir"),
 }
