@@ -386,7 +386,6 @@ def _finite_state(
         valid = torch.cat([state.window_valid, key_mask], dim=-1)
     entering_keys, entering = keys[..., :length, :], values[..., :length, :]
     is_sink, window_valid = None, valid
-    any_shift = spec.normalizer == "softmax"  # (it divides by the denominator: the exact part's shift cancels)
     if spec.sinks is not None or spec.kept is not None:
         ranks = visible_ranks(valid, state.t, spec.window)
     if spec.sinks is not None:
@@ -404,7 +403,15 @@ def _finite_state(
         if flex_inputs is None:
             query_valid = key_mask if spec.kept is not None else None
             band = banded_exp_attention(
-                q, keys, values, window_valid, window_scale, spec.window, spec.chunk_size, query_valid, any_shift
+                q,
+                keys,
+                values,
+                window_valid,
+                window_scale,
+                spec.window,
+                spec.chunk_size,
+                query_valid,
+                _shift_cancels(spec),
             )
             exact, row_max, saliency = (*band, None)[:3]
         elif spec.kept is not None:  # FlexAttention scores the window: the band only ranks its keys
@@ -424,7 +431,6 @@ def _finite_state(
                 spec,
                 window_scale,
                 fresh_state,
-                any_shift,
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
@@ -462,21 +468,14 @@ def _finite_state(
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
 
 
+def _shift_cancels(spec: AttentionSpec) -> bool:
+    """Whether the spec's normaliser divides by the denominator, so that any per-row shift of the exact
+    part cancels (the log-sum-exp may then stand in for the row max: `ops.window`)."""
+    return spec.normalizer == "softmax"
+
+
 def _kept_part(
-    q,
-    keys,
-    leaving_values,
-    ranks,
-    candidates,
-    saliency,
-    exact,
-    row_max,
-    state,
-    new_state,
-    spec,
-    scale,
-    fresh_state,
-    any_shift=False,
+    q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale, fresh_state
 ):
     """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
@@ -485,8 +484,7 @@ def _kept_part(
     sink) are the window buffer then the call's positions; `saliency` `[B, Hkv, W + L]` is the call's
     share of each key's saliency. A key ranks by the larger of its saliency and its predecessor's
     (`ops.kept`). From an empty state (`fresh_state`) nothing is kept before the call and the first W
-    leaving keys are the empty window buffer. `any_shift`: the spec's normaliser divides by the
-    denominator, so the exact part's shift may be a log-sum-exp (`ops.window`)."""
+    leaving keys are the empty window buffer."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
@@ -511,7 +509,7 @@ def _kept_part(
         spec.chunk_size,
         held_before=0 if fresh_state else None,
         first_candidate=window if fresh_state else 0,
-        any_shift=any_shift,
+        any_shift=_shift_cancels(spec),
     )
     new_state.window_scores = saliency[..., -window:]
     new_state.left_score = saliency[..., length - 1]

@@ -401,23 +401,26 @@ class Finetuner:
             stage.teardown(model)
         stage = self.stages[self.state.stage_index]
         trainable = stage.setup(model)
-        problem = model_state_problem(self.resume_from, trainable)
-        if problem is not None:
-            raise UserInputError(
-                f"--resume: {self.resume_from / MODEL_FILE} holds the weights of another model than the {stage.name} "
-                f"stage trains ({problem}); it was saved by a run of another model or method: resume that "
-                "run's --output-dir, or start over with --overwrite"
-            )
-        groups = weight_decay_groups(
+        checks = (
+            (MODEL_FILE, "the weights of another model", "a run of another model or method",
+             model_state_problem, trainable),
+            (OPTIMIZER_FILE, "the optimizer state of other parameters", "a run that trained other parameters",
+             optimizer_state_problem, self._parameter_groups(stage, trainable)),
+        )  # fmt: skip
+        for file, held, saved_by, problem_of, trained in checks:
+            problem = problem_of(self.resume_from, trained)
+            if problem is not None:
+                raise UserInputError(
+                    f"--resume: {self.resume_from / file} holds {held} than the {stage.name} stage trains ({problem}); "
+                    f"it was saved by {saved_by}: resume that run's --output-dir, or start over with --overwrite"
+                )
+
+    def _parameter_groups(self, stage: Stage, trainable: nn.Module) -> list[dict]:
+        """The optimizer's parameter groups of `stage` over `trainable`: weight decay, and the converted
+        layers' own learning rate."""
+        return weight_decay_groups(
             trainable, self.config.weight_decay, own_lr=stage.rnn_learning_rate, own_module=RNN_PARAMS
         )
-        problem = optimizer_state_problem(self.resume_from, groups)
-        if problem is not None:
-            raise UserInputError(
-                f"--resume: {self.resume_from / OPTIMIZER_FILE} holds the optimizer state of other parameters than "
-                f"the {stage.name} stage trains ({problem}); it was saved by a run that trained other parameters: "
-                "resume that run's --output-dir, or start over with --overwrite"
-            )
 
     def _check_teacher(self, converted: PreTrainedConfig, teacher: PreTrainedConfig) -> None:
         """A converted --model must be a conversion of a model shaped as --teacher: the same family, layers,
@@ -554,10 +557,7 @@ class Finetuner:
         trainable = stage.setup(model)
         count = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
         logger.info("Stage %s: %d steps, %s trainable parameters", stage.name, stage.steps, f"{count:,}")
-        groups = weight_decay_groups(
-            trainable, config.weight_decay, own_lr=stage.rnn_learning_rate, own_module=RNN_PARAMS
-        )
-        optimizer = torch.optim.AdamW(groups, lr=stage.learning_rate)
+        optimizer = torch.optim.AdamW(self._parameter_groups(stage, trainable), lr=stage.learning_rate)
         scheduler = get_scheduler(
             config.lr_scheduler,
             optimizer,
