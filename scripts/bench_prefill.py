@@ -129,7 +129,7 @@ def plot(results: list[PrefillTime], path: Path, title: str) -> None:
     original = dict(zip(*series[ORIGINAL], strict=True))
     lengths, seconds = series[CONVERTED]
     ratio = {CONVERTED: (lengths, [s / original[length] for length, s in zip(lengths, seconds, strict=True)])}
-    plot_panels(path, title, "prompt tokens", [("seconds", series), ("time / the original's", ratio)], log_y=False)
+    plot_panels(path, title, "prompt tokens", [("seconds", series), ("time / the original's", ratio)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
