@@ -124,6 +124,12 @@ class AttentionSpec:
             b_t phi(k_s) [v_s, 1]^T for the key s that enters at step t (with `decay`, the gated delta
             rule; a_t = 1 without). Keys that never share a direction add up as in linear attention when
             b_t = 1; a key that repeats overwrites its value. See docs/delta_rule.md.
+        short_conv: K for a short causal convolution over the keys and values: each channel of each KV
+            head becomes a learned combination of its last K positions (the query's own included) before
+            attention, so a key can carry what came just before it (DeltaNet's short convolution; weights
+            per KV head and channel, starting as the identity, so a converted model starts as it was). Needs
+            a finite-state spec; decoding keeps the last K - 1 keys and values before the convolution. None
+            = none. See docs/delta_rule.md.
     """
 
     kind: str = "softmax"
@@ -143,6 +149,7 @@ class AttentionSpec:
     decay: bool = False
     kept: int | None = None
     delta_rule: bool = False
+    short_conv: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -244,6 +251,8 @@ class AttentionSpec:
             )
         if self.delta_rule:
             self._validate_delta_rule()
+        if self.short_conv is not None:
+            self._validate_short_conv()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
             warnings.warn(
                 f"AttentionSpec.taylor_order={self.taylor_order} is odd: an odd truncation of exp is negative for "
@@ -296,6 +305,22 @@ class AttentionSpec:
                 "a delta-rule state overwrites its denominator as it does its values, which can then be 0 or "
                 f"negative; expected one of {allowed}, or set a window (whose exact part keeps the denominator "
                 "positive)"
+            )
+
+    def _validate_short_conv(self) -> None:
+        """A width >= 2 on a finite-state spec: decoding keeps the convolution's last inputs in the recurrent
+        state, which an exact-exp layer's key/value cache has no place for."""
+        if self.short_conv < 2:
+            raise ValueError(
+                f"AttentionSpec.short_conv={self.short_conv!r} is not allowed; expected None or an int >= 2 (a width "
+                "of 1 would only scale each channel)"
+            )
+        if not self.has_finite_state:
+            raise ValueError(
+                f"AttentionSpec.short_conv={self.short_conv} is not allowed with {self.describe()}: decoding keeps "
+                "the convolution's last inputs beside a finite recurrent state, which this spec does not have; "
+                "expected short_conv=None, or a finite-state spec (kind='linear', or kind='recurrent_softmax' with a "
+                "taylor_order, and no score_clamp)"
             )
 
     def _validate_beside_window(self, name: str, what: str) -> None:
@@ -362,14 +387,16 @@ class AttentionSpec:
         sinks and the kept positions, and with kept positions one rank score per window and kept position
         and, per kept slot, its position (int64) and whether it is filled (bool). Each sequence adds its
         position counter (int64), and with a window one flag (bool) per window position and the ring's
-        start (int64), shared by its KV heads."""
+        start (int64), shared by its KV heads. A short convolution adds its last K - 1 keys and values."""
         value_dim = head_dim if value_dim is None else value_dim
         for name, size in (("head_dim", head_dim), ("value_dim", value_dim), ("bytes_per_element", bytes_per_element)):
             _check_size(name, size)
         exact = self.exact_positions * (head_dim + value_dim + 1)
         scores = (self.window or 0) + self.kept + 1 if self.kept is not None else 0
         kept_bookkeeping = (self.kept or 0) * (_POSITION_BYTES + _FLAG_BYTES)
-        return (self.feature_dim(head_dim) * (value_dim + 1) + exact + scores) * bytes_per_element + kept_bookkeeping
+        conv_tail = (self.short_conv - 1) * (head_dim + value_dim) if self.short_conv is not None else 0
+        elements = self.feature_dim(head_dim) * (value_dim + 1) + exact + scores + conv_tail
+        return elements * bytes_per_element + kept_bookkeeping
 
     def check_mode(self, mode: str, head_dim: int, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         """Raise a clear error if `mode` cannot compute this spec for this head size."""
@@ -429,6 +456,8 @@ class AttentionSpec:
             parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
         if self.delta_rule:
             parts.insert(2 if self.window is not None else 1, "delta-rule state")
+        if self.short_conv is not None:
+            parts.insert(1, f"keys and values through a short convolution of width {self.short_conv}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -487,6 +516,7 @@ _FIELD_TYPES = (
     ("decay", (bool,), "true or false"),
     ("kept", _OPTIONAL_INT, "None or an int"),
     ("delta_rule", (bool,), "true or false"),
+    ("short_conv", _OPTIONAL_INT, "None or an int"),
 )
 
 # name -> (description, fields): the authors' names, then recipes for converting pretrained models.
@@ -674,10 +704,26 @@ _PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "decay, RMSNorm in place of the denominator",
         dict(kind="linear", feature_map="identity", normalizer="rms", delta_rule=True, decay=True),
     ),
+    "linear_identity_rms_conv": (
+        "linear_identity_rms with a short convolution of width 4 over the keys and values",
+        dict(kind="linear", feature_map="identity", normalizer="rms", short_conv=4),
+    ),
+    "deltanet_conv": (
+        "deltanet with a short convolution of width 4 over the keys and values, as DeltaNet has it",
+        dict(kind="linear", feature_map="identity", normalizer="rms", delta_rule=True, short_conv=4),
+    ),
+    "gated_deltanet_conv": (
+        "gated_deltanet with a short convolution of width 4 over the keys and values, as Gated DeltaNet has it",
+        dict(kind="linear", feature_map="identity", normalizer="rms", delta_rule=True, decay=True, short_conv=4),
+    ),
     "hedgehog_window_64_sinks_4_delta": (
         "exact softmax over the first 4 and the last 64 positions, hedgehog features with a gated delta-rule "
         "state beyond, one denominator",
         dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True, delta_rule=True),
+    ),
+    "hedgehog_window_64_sinks_4_delta_conv": (
+        "hedgehog_window_64_sinks_4_delta with a short convolution of width 4 over the keys and values",
+        dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True, delta_rule=True, short_conv=4),
     ),
     "hedgehog_window_256_sinks_4_kept_256_delta": (
         "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "

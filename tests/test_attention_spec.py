@@ -184,6 +184,42 @@ def test_decay_is_validated(fields, error, message):
         AttentionSpec(**fields)
 
 
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        (
+            dict(kind="linear", feature_map="elu", short_conv=1),
+            ValueError,
+            r"short_conv=1 is not allowed; expected None or an int >= 2",
+        ),
+        (dict(kind="linear", feature_map="elu", short_conv=-3), ValueError, r"short_conv=-3 is not allowed"),
+        (
+            dict(kind="linear", feature_map="elu", short_conv=4.0),
+            TypeError,
+            "short_conv=4.0 has type float; expected None or an int",
+        ),
+        (dict(kind="softmax", short_conv=4), ValueError, "short_conv=4 is not allowed with exact softmax attention"),
+        (
+            dict(kind="recurrent_softmax", normalizer="l2", short_conv=4),
+            ValueError,
+            "expected short_conv=None, or a finite",
+        ),
+    ],
+    ids=["one", "negative", "float", "softmax", "exact-exp"],
+)
+def test_short_conv_is_validated(fields, error, message):
+    with pytest.raises(error, match=message):
+        AttentionSpec(**fields)
+
+
+def test_short_conv_presets_describe_and_size_their_state():
+    spec = AttentionSpec.from_preset("deltanet_conv")
+    assert "short convolution of width 4" in spec.describe()
+    without = AttentionSpec.from_preset("deltanet")
+    assert spec.state_bytes(64) == without.state_bytes(64) + 3 * (64 + 64) * 4  # the last 3 keys and values
+    assert AttentionSpec.from_dict(spec.to_dict()) == spec
+
+
 def test_decay_preset_describes_itself():
     spec = AttentionSpec.from_preset("hedgehog_window_64_sinks_4_decay")
     assert spec.decay and "data-dependent decay of the state" in spec.describe()

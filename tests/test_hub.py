@@ -39,7 +39,15 @@ from hf_softmax_rnn.models import LLAMA_LIKE_MODELS
 from .models.helpers import LLAMA_SHAPE
 
 REMOTE_SPEC = AttentionSpec(
-    kind="linear", feature_map="hedgehog", window=3, sinks=2, kept=2, decay=True, delta_rule=True, chunk_size=4
+    kind="linear",
+    feature_map="hedgehog",
+    window=3,
+    sinks=2,
+    kept=2,
+    decay=True,
+    delta_rule=True,
+    short_conv=2,
+    chunk_size=4,
 )
 SOURCES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE, pad_token_id=0)),
@@ -114,7 +122,8 @@ def run_without_package(script: str, *args: str, cwd) -> subprocess.CompletedPro
 
 def saved_with_remote_code(family, directory):
     """A converted hybrid (layer 0: hedgehog with a gated delta-rule state beyond a window of 3 with 2 sinks and
-    2 kept positions; layer 1: softmax) with perturbed rnn_params, saved with its code."""
+    2 kept positions, keys and values through a short convolution; layer 1: softmax) with perturbed rnn_params,
+    saved with its code."""
     model = convert(SOURCES[family]().eval(), REMOTE_SPEC, layers=[0])
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -145,6 +154,7 @@ def test_saved_models_load_with_remote_code_where_the_package_is_absent(tmp_path
             "decay.py",
             "kept.py",
             "delta.py",
+            "short_conv.py",
         } <= set(code)
         nodes = [node for text in code.values() for node in ast.walk(ast.parse(text))]
         imports = [node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))]

@@ -22,6 +22,7 @@ same subclass of another family's attention module of Llama's pattern (Mistral, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -41,6 +42,7 @@ from hf_softmax_rnn.attention_spec import NO_CACHE_MODES, AttentionSpec
 from hf_softmax_rnn.layers.cache import recurrent_state_layer
 from hf_softmax_rnn.ops.attention import attention
 from hf_softmax_rnn.ops.kernels import AttentionParams
+from hf_softmax_rnn.ops.short_conv import short_conv
 from hf_softmax_rnn.ops.softmax import softmax_attention
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,8 @@ class RNNParams(nn.Module):
       and KV head (`spec.decay`; not named `*gate_proj`, which PEFT would match in the MLP).
     - `delta_proj`: Linear(hidden, Hkv), sigmoid -> the write strength of a delta-rule state per position
       and KV head (`spec.delta_rule`).
+    - `short_conv_weight` `[Hkv, D + Dv, K]`: the taps of the short convolution of the keys and values
+      (`spec.short_conv` = K), per KV head and channel (`ops.short_conv`).
 
     Initialisation (`reset_parameters`, also what `convert` gives a pretrained model):
     gate weights 0 and bias `GATE_BIAS_INIT`, so each gate is the constant 0.993 until
@@ -140,7 +144,8 @@ class RNNParams(nn.Module):
     Hedgehog paper's initialisation, to be fitted to softmax by attention transfer; the
     window's linear log weight 0 (the finite-state part weighs as the kernel says); the decay
     weight 0 and the bias of each KV head set by `decay_half_lives`, so each head's state starts with
-    a constant half-life between 512 and 16,384 positions; the delta weight 0 and bias `DELTA_BIAS_INIT`.
+    a constant half-life between 512 and 16,384 positions; the delta weight 0 and bias `DELTA_BIAS_INIT`;
+    the short convolution the identity (last tap 1, the others 0), so keys and values start unchanged.
     """
 
     def __init__(self, spec: AttentionSpec, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> None:
@@ -162,6 +167,9 @@ class RNNParams(nn.Module):
         if spec.window is not None:
             self.linear_log_scale = nn.Parameter(torch.empty(num_heads))
             self._tensor_names.append("linear_log_scale")
+        self.short_conv_weight = None
+        if spec.short_conv is not None:
+            self.short_conv_weight = nn.Parameter(torch.empty(num_kv_heads, 2 * head_dim, spec.short_conv))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -176,6 +184,27 @@ class RNNParams(nn.Module):
                 init.copy_(tensor, identity.expand_as(tensor))
             else:
                 init.constant_(tensor, _PARAM_INIT_VALUES[name])
+        if self.short_conv_weight is not None:
+            identity = torch.zeros_like(self.short_conv_weight)
+            identity[..., -1] = 1.0
+            init.copy_(self.short_conv_weight, identity)
+
+    def convolve(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        tail: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys `[B, Hkv, L, D]` and values `[B, Hkv, L, Dv]` through the short convolution (unchanged without
+        one), with the last inputs of the previous call `tail` `[B, Hkv, K - 1, D + Dv]` (None: none) and the
+        padding mask `[B, L_total]` -> (key, value, the new tail or None)."""
+        if self.short_conv_weight is None:
+            return key, value, None
+        mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
+        mixed, tail = short_conv(torch.cat([key, value], dim=-1), self.short_conv_weight, tail, mask)
+        key, value = mixed.split([key.shape[-1], value.shape[-1]], dim=-1)
+        return key, value, tail
 
     def gates(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Gate values from the layer input `[B, L, hidden]`: {"input": `[B, Hkv, L]`, "output": `[B, H, L]`,
@@ -224,6 +253,13 @@ class SoftmaxRNNAttentionMixin:
         self.attention_spec = spec
         self.uses_recurrent_state = spec.fits_recurrent_state(head_dim)
         self.set_attention_mode(attention_mode)
+        if spec.short_conv is not None and not self.uses_recurrent_state:
+            raise ValueError(
+                f"AttentionSpec.short_conv={spec.short_conv} is not allowed with {spec.describe()} at head_dim="
+                f"{head_dim}: its state ({spec.state_bytes(head_dim):,} bytes a KV head) is too large to decode from, "
+                "and a key/value cache has no place for the convolution's last inputs; expected short_conv=None or "
+                "a smaller state"
+            )
         self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
         self.attention_transfer = False
         self.teacher_forcing = True
@@ -285,13 +321,20 @@ class SoftmaxRNNAttentionMixin:
         batch, _, length, _ = query.shape
         gates = self.rnn_params.gates(hidden_states)
         input_gate = gates.pop("input", None)
-        gated_value = value if input_gate is None else value * input_gate.unsqueeze(-1).to(value.dtype)
+        layer = (
+            recurrent_state_layer(cache, self.layer_idx) if cache is not None and self.uses_recurrent_state else None
+        )
+        tail = None if layer is None or layer.state is None else layer.state.conv_tail
+        mixed_key, mixed_value, tail = self.rnn_params.convolve(key, value, tail, attention_mask)
+        gated_value = mixed_value if input_gate is None else mixed_value * input_gate.unsqueeze(-1).to(value.dtype)
         common = dict(
             attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
         )
         spec = self.attention_spec
         if cache is None:
-            out, _ = attention(query, key, gated_value, spec, mode=self.attention_mode, return_state=False, **common)
+            out, _ = attention(
+                query, mixed_key, gated_value, spec, mode=self.attention_mode, return_state=False, **common
+            )
             if self.attention_transfer:
                 teacher = self._teacher_output(query, key, value, attention_mask, teacher_qkv)
                 self.transfer_loss = self._transfer_loss(out, teacher, attention_mask)
@@ -300,21 +343,27 @@ class SoftmaxRNNAttentionMixin:
         elif self.attention_transfer:
             raise ValueError("attention transfer compares full sequences; call the model with use_cache=False")
         elif self.uses_recurrent_state:
-            layer = recurrent_state_layer(cache, self.layer_idx)
             mode = "recurrent" if length == 1 and layer.state is not None else "chunked"
             in_place = mode == "recurrent" and not torch.is_grad_enabled()  # decoding: the cache owns the state
             out, state = attention(
-                query, key, gated_value, spec, mode=mode, state=layer.state, update_state_in_place=in_place, **common
+                query,
+                mixed_key,
+                gated_value,
+                spec,
+                mode=mode,
+                state=layer.state,
+                update_state_in_place=in_place,
+                **common,
             )
-            layer.update_state(state, length)
+            layer.update_state(state if tail is None else dataclasses.replace(state, conv_tail=tail), length)
         else:
             if self.layer_idx < len(cache.layers) and isinstance(cache.layers[self.layer_idx], StaticLayer):
                 raise ValueError(
                     f"Layer {self.layer_idx} ({spec.describe()}) decodes from a KV cache, which softmax_rnn attention "
                     "reads from a DynamicCache only; use a StaticCache only when every layer has a recurrent state"
                 )
-            key, gated_value = cache.update(key, gated_value, self.layer_idx)
-            out, _ = attention(query, key, gated_value, spec, mode="parallel", **common)
+            cached_key, gated_value = cache.update(mixed_key, gated_value, self.layer_idx)
+            out, _ = attention(query, cached_key, gated_value, spec, mode="parallel", **common)
         return out.transpose(1, 2).reshape(batch, length, -1)
 
     @torch.no_grad()

@@ -31,6 +31,9 @@ class RecurrentState:
     window) and the K kept keys beyond the window: `kept_keys` `[B, Hkv, K, D]`, `kept_values`
     `[B, Hkv, K, Dv + 1]`, `kept_scores` `[B, Hkv, K]` (rank scores), `kept_positions` `[B, Hkv, K]`
     (visible ranks) and `kept_valid` `[B, Hkv, K]`; `packed` sums a key only once it is not kept.
+    A short convolution (`spec.short_conv` = K) adds `conv_tail` `[B, Hkv, K - 1, D + Dv]`: the last K - 1
+    keys and values before the convolution (`ops.short_conv`), which the attention layer applies and
+    stores here; `attention` itself neither reads nor writes it.
     `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
     equality when it is passed back, so that a state of another spec is refused whatever its
     shapes; None for a state built by hand (only its shapes are checked).
@@ -51,6 +54,7 @@ class RecurrentState:
     kept_scores: torch.Tensor | None = None
     kept_positions: torch.Tensor | None = None
     kept_valid: torch.Tensor | None = None
+    conv_tail: torch.Tensor | None = None
     made_by: tuple | None = None
 
     @property

@@ -11,12 +11,14 @@ from hf_softmax_rnn import AttentionSpec
 
 from .helpers import VOCAB, left_padded_batch, tiny_model
 
-# one finite-state preset per family; the window hybrid's window (3) and chunk (4) are crossed
+# one finite-state preset per family (and a short convolution); the window hybrid's window (3) and chunk (4)
+# are crossed
 SPECS = {
     "linear_elu": "linear_elu",
     "linear_hedgehog": "linear_hedgehog",
     "softmax_taylor_2": "softmax_taylor_2",
     "hedgehog_window3": AttentionSpec(kind="linear", feature_map="hedgehog", window=3, chunk_size=4),
+    "deltanet_conv": AttentionSpec.from_preset("deltanet_conv", chunk_size=4),
 }
 BACKEND = "aot_eager"
 

@@ -99,7 +99,7 @@ def test_kv_cache_memory_grows_with_generated_tokens(family):
     assert sizes[1] - sizes[0] == 4 * 2 * ids.shape[0] * 2 * kv_heads * HEAD_DIM * 4  # 4 tokens, 2 layers, K+V, float32
 
 
-@pytest.mark.parametrize("preset", ["linear_elu", "softmax_taylor_2_l2", "gated_softmax"])
+@pytest.mark.parametrize("preset", ["linear_elu", "softmax_taylor_2_l2", "gated_softmax", "gated_deltanet_conv"])
 def test_beam_search_with_several_returned_sequences_matches_uncached(family, preset):
     model = tiny_model(family, preset)
     ids, mask = left_padded_batch()
@@ -118,7 +118,7 @@ def test_beam_search_with_several_returned_sequences_matches_uncached(family, pr
     torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("preset", ["linear_hedgehog", "gated_softmax"])
+@pytest.mark.parametrize("preset", ["linear_hedgehog", "gated_softmax", "deltanet_conv"])
 def test_seeded_sampling_with_several_returned_sequences_matches_uncached(family, preset):
     model = tiny_model(family, preset)
     ids, mask = left_padded_batch()
@@ -187,6 +187,9 @@ STATE_SIZE_SPECS = {
     "hedgehog_window3": SMALL_WINDOWS["hedgehog_window3"],
     "hedgehog_window3_sinks1_kept2_decay": AttentionSpec(
         kind="linear", feature_map="hedgehog", window=3, sinks=1, kept=2, decay=True, chunk_size=4
+    ),
+    "hedgehog_window3_delta_conv3": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=3, delta_rule=True, short_conv=3, chunk_size=4
     ),
 }
 

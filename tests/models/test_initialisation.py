@@ -14,7 +14,8 @@ from hf_softmax_rnn.models import SoftmaxRNNGPT2LMHeadModel, SoftmaxRNNLlamaForC
 
 from .helpers import tiny_source
 
-#: Every projection and tensor `RNNParams` has: gates, decay, delta rule, hedgehog maps, a window's mixing weight.
+#: Every projection and tensor `RNNParams` has: gates, decay, delta rule, hedgehog maps, a window's mixing weight,
+#: the short convolution's taps.
 SPEC = AttentionSpec(
     kind="linear",
     feature_map="hedgehog",
@@ -22,6 +23,7 @@ SPEC = AttentionSpec(
     sinks=1,
     decay=True,
     delta_rule=True,
+    short_conv=3,
     input_gate=True,
     output_gate=True,
 )
@@ -44,6 +46,9 @@ def assert_initial(model):
         for maps in (params.hedgehog_q, params.hedgehog_k):
             assert torch.equal(maps, torch.eye(maps.shape[1], maps.shape[2]).expand_as(maps))
         assert torch.equal(params.linear_log_scale, torch.zeros_like(params.linear_log_scale))
+        taps = params.short_conv_weight
+        assert torch.equal(taps[..., -1], torch.ones_like(taps[..., -1]))
+        assert torch.equal(taps[..., :-1], torch.zeros_like(taps[..., :-1]))
 
 
 def test_a_converted_model_starts_at_the_initial_values(family):
@@ -73,3 +78,20 @@ def test_a_small_model_from_scratch_trains_with_open_gates(preset):
     params = model.model.layers[0].self_attn.rnn_params
     projection = params.output_gate if preset == "softmax_gate" else params.decay_proj
     assert torch.all(torch.sigmoid(projection.bias) > 0.99)
+
+
+def test_a_short_convolution_starts_as_the_identity_so_the_logits_are_those_without_it(family):
+    without = AttentionSpec(kind="linear", feature_map="hedgehog", window=3, sinks=1, decay=True, delta_rule=True)
+    with_conv = AttentionSpec(**{**without.to_dict(), "short_conv": 4})
+    source = tiny_source(family)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = convert(source, without).eval()(ids).logits
+        torch.testing.assert_close(convert(source, with_conv).eval()(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_a_short_convolution_beside_a_state_too_large_to_decode_from_is_refused(family):
+    """Order 30 at head_dim 8: C(38, 8) features, a state of 1.8 GB a KV head, which decodes from a KV cache."""
+    spec = AttentionSpec(kind="recurrent_softmax", taylor_order=30, normalizer="l2", short_conv=2)
+    with pytest.raises(ValueError, match=r"short_conv=2 is not allowed with .* too large to decode from"):
+        convert(tiny_source(family), spec)

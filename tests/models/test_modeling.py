@@ -28,6 +28,7 @@ FINITE_PRESETS = [
     "linear_hedgehog",
     "softmax_taylor_2",
     "gated_ReLU_no_gate_L2norm_nodivS_noclamp",
+    "gated_deltanet_conv",
 ]
 WITH_PARAMS = ["gated_softmax", "softmax_divS_norm", "linear_cosine", "linear_hedgehog", "softmax_detach_denom_gate"]
 
