@@ -1,6 +1,6 @@
 """MkDocs hook: pages write a `<!-- generated: ... -->` marker where a generated list goes.
 
-- `<!-- generated: presets -->`: the preset table, built from `hf_softmax_rnn.attention_spec.PRESETS`
+- `<!-- generated: presets -->`: the preset table, built from `hf_softmax_rnn.presets.PRESETS`
   and `AttentionSpec.from_preset`, so it lists every preset with its formula, modes and state size.
 - `<!-- generated: spec fields -->`: every field of `AttentionSpec`, from `dataclasses.fields`: its type
   and default, and its meaning from the `Attributes:` section of the class docstring.
@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 from griffe import Docstring  # noqa: E402
 
-from hf_softmax_rnn import attention_spec  # noqa: E402
+from hf_softmax_rnn import presets  # noqa: E402
 from hf_softmax_rnn.attention_spec import MODES, AttentionSpec  # noqa: E402
 from hf_softmax_rnn.flags import SHOWN_DEFAULT, option_fields  # noqa: E402
 from hf_softmax_rnn.training import FinetuneConfig  # noqa: E402
@@ -112,7 +112,7 @@ def preset_table() -> str:
         "| preset | meaning | score of (q, k) | output | modes | decodes from (per KV head, d = 64, float32) |",
         "|---|---|---|---|---|---|",
     ]
-    for name, meaning in attention_spec.PRESETS.items():
+    for name, meaning in presets.PRESETS.items():
         with warnings.catch_warnings():  # the odd-order warning is for users choosing a spec, not for this table
             warnings.simplefilter("ignore", UserWarning)
             spec = AttentionSpec.from_preset(name)

@@ -1,6 +1,6 @@
 """hf_softmax_rnn: softmax attention as a sum of RNNs, for Hugging Face transformers."""
 
-from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import convert
 
 # Binds the name after the submodule import has set `hf_softmax_rnn.default_model` to the module,
@@ -12,6 +12,7 @@ from hf_softmax_rnn.models import (
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
+from hf_softmax_rnn.presets import PRESETS
 from hf_softmax_rnn.version import __version__
 
 __all__ = [

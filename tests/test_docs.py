@@ -82,7 +82,7 @@ def test_each_row_states_the_presets_meaning_modes_and_state(name):
 
 def test_the_table_follows_presets_when_they_change(monkeypatch):
     subset = {name: PRESETS[name] for name in ("linear_elu", "softmax")}
-    monkeypatch.setattr("hf_softmax_rnn.attention_spec.PRESETS", subset)
+    monkeypatch.setattr("hf_softmax_rnn.presets.PRESETS", subset)
     assert list(_preset_rows(HOOKS.preset_table())) == ["linear_elu", "softmax"]
 
 

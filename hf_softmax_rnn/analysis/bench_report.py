@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from hf_softmax_rnn.attention_spec import PRESETS
 from hf_softmax_rnn.errors import UserInputError
+from hf_softmax_rnn.presets import PRESETS
 
 # Defined in `hf_softmax_rnn.utils` (the trainer names its hardware too); imported here only to stay
 # importable from this module.

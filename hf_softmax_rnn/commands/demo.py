@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 from transformers.generation.streamers import BaseStreamer
 
-from hf_softmax_rnn.attention_spec import PRESETS, AttentionSpec
+from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.default_model import (
@@ -39,6 +39,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.layers.cache import cache_nbytes
+from hf_softmax_rnn.presets import PRESETS
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
 
 logger = logging.getLogger(__name__)
