@@ -355,6 +355,12 @@ class FinetuneConfig:
         256, "texts the model writes for the 'generated' source (once; then read from a cache)", group=_DATA
     )
     generated_tokens: int = option(512, "tokens of each generated text at most", group=_DATA)
+    recall_facts: int = option(
+        0,
+        "key-value facts written into the first half of each training block and restated in its second half, "
+        "so that distillation from the original teaches recall from the state (0: none; docs/finetuning.md)",
+        group=_DATA,
+    )
 
     transfer_steps: int | None = option(None, "optimizer steps (0 skips the stage)", group=_TRANSFER, **_RECIPE)
     transfer_lr: float | None = option(None, "peak learning rate", group=_TRANSFER, **_RECIPE)
@@ -550,7 +556,7 @@ class FinetuneConfig:
             _check_at_least(name, getattr(self, name))
         if not 0 <= self.seed < 2**32:
             raise UserInputError(f"seed={self.seed} is not allowed; expected an int from 0 to 2**32 - 1")
-        for name in ("transfer_steps", "finetune_steps", "state_steps", "warmup_steps"):
+        for name in ("transfer_steps", "finetune_steps", "state_steps", "warmup_steps", "recall_facts"):
             _check_at_least(name, getattr(self, name), minimum=0)
         self.dataset_sources = source_names(self.dataset)
         self._check_text_column()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,20 +20,33 @@ from hf_softmax_rnn.data.corpus import pack_texts
 
 logger = logging.getLogger(__name__)
 
+#: What may rewrite the blocks a stream hands out: (blocks `[N, L]`, each block's place in the stream) ->
+#: blocks `[N, L]` (`data.recall.FactPlanter`).
+BlockTransform = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
+
 
 class ShuffledBlocks:
     """A map-style dataset of packed blocks, reshuffled every epoch.
 
     The block at stream position p is `blocks[perm_e[p mod n]]` with e = p // n and perm_e a
-    permutation drawn from (seed, e): the order is a pure function of the position.
+    permutation drawn from (seed, e): the order is a pure function of the position. `transform`, if given,
+    rewrites each block handed out, told its stream position.
     """
 
-    def __init__(self, blocks: Dataset, seed: int, shuffle: bool = True, flag: str = "--block-size") -> None:
+    def __init__(
+        self,
+        blocks: Dataset,
+        seed: int,
+        shuffle: bool = True,
+        flag: str = "--block-size",
+        transform: BlockTransform | None = None,
+    ) -> None:
         if len(blocks) == 0:
             raise ValueError(f"The training split has no full block; use a smaller {flag} or more data")
         self.blocks = blocks.with_format("torch", columns=["input_ids"])
         self.seed = seed
         self.shuffle = shuffle
+        self.transform = transform
         self.position = 0
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
@@ -47,12 +61,13 @@ class ShuffledBlocks:
 
     def next_blocks(self, count: int) -> torch.Tensor:
         """The next `count` blocks as input ids `[count, block_size]`."""
-        indices = []
-        for position in range(self.position, self.position + count):
+        indices, positions = [], range(self.position, self.position + count)
+        for position in positions:
             epoch, offset = divmod(position, len(self))
             indices.append(int(self._order(epoch)[offset]))
         self.position += count
-        return self.blocks[indices]["input_ids"]
+        ids = self.blocks[indices]["input_ids"]
+        return ids if self.transform is None else self.transform(ids, list(positions))
 
     def state_dict(self) -> dict:
         return {"position": self.position}
@@ -63,11 +78,20 @@ class ShuffledBlocks:
 
 class StreamedBlocks:
     """Packed blocks of a streamed dataset, read in order (with a seeded shuffle buffer) and restarted
-    with the next epoch's shuffle when exhausted. Every process reads the whole stream."""
+    with the next epoch's shuffle when exhausted. Every process reads the whole stream. `transform`, if
+    given, rewrites each block handed out, told its place (epoch and offset, as one int)."""
 
-    def __init__(self, blocks: IterableDataset, seed: int, shuffle_buffer: int, flag: str = "--block-size") -> None:
+    def __init__(
+        self,
+        blocks: IterableDataset,
+        seed: int,
+        shuffle_buffer: int,
+        flag: str = "--block-size",
+        transform: BlockTransform | None = None,
+    ) -> None:
         self.blocks = blocks.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle_buffer > 1 else blocks
         self.flag = flag
+        self.transform = transform
         self.epoch = 0
         self.offset = 0
         self._iterator = None
@@ -79,13 +103,14 @@ class StreamedBlocks:
 
     def next_blocks(self, count: int) -> torch.Tensor:
         """The next `count` blocks as input ids `[count, block_size]`."""
-        rows = []
+        rows, places = [], []
         while len(rows) < count:
             if self._iterator is None:
                 self._restart()
             row = next(self._iterator, None)
             if row is not None:
                 rows.append(row["input_ids"])
+                places.append(self.epoch << 40 | self.offset)
                 self.offset += 1
             elif self.offset == 0:
                 raise ValueError(
@@ -93,7 +118,8 @@ class StreamedBlocks:
                 )
             else:
                 self.epoch, self.offset, self._iterator = self.epoch + 1, 0, None
-        return torch.tensor(rows, dtype=torch.long)
+        ids = torch.tensor(rows, dtype=torch.long)
+        return ids if self.transform is None else self.transform(ids, places)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
@@ -118,14 +144,22 @@ def eval_blocks(texts, tokenizer, block_size: int, max_blocks: int | None) -> to
 
 
 def train_blocks(
-    texts, tokenizer, block_size: int, *, seed: int, shuffle_buffer: int, flag: str = "--block-size"
+    texts,
+    tokenizer,
+    block_size: int,
+    *,
+    seed: int,
+    shuffle_buffer: int,
+    flag: str = "--block-size",
+    transform: BlockTransform | None = None,
 ) -> ShuffledBlocks | StreamedBlocks:
-    """The training split packed into `block_size`-token blocks, in a seeded order; `flag` is the setting that
-    chose `block_size` (named when the split holds no full block)."""
+    """The training split packed into `block_size`-token blocks, in a seeded order, each rewritten by
+    `transform` if given; `flag` is the setting that chose `block_size` (named when the split holds no full
+    block)."""
     packed = pack_texts(texts, tokenizer, block_size)
     if isinstance(packed, IterableDataset):
-        return StreamedBlocks(packed, seed=seed, shuffle_buffer=shuffle_buffer, flag=flag)
-    return ShuffledBlocks(packed, seed=seed, flag=flag)
+        return StreamedBlocks(packed, seed=seed, shuffle_buffer=shuffle_buffer, flag=flag, transform=transform)
+    return ShuffledBlocks(packed, seed=seed, flag=flag, transform=transform)
 
 
 def split_global_batch(batch: torch.Tensor, *, grad_accum: int, num_processes: int, process_index: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import check_convertible, convert, converted_layers, converted_model_type
 from hf_softmax_rnn.data.corpus import join_corpora, load_corpus
 from hf_softmax_rnn.data.generated import GENERATED_CORPUS, GenerationSettings, generated_corpus
+from hf_softmax_rnn.data.recall import FactPlanter
 from hf_softmax_rnn.default_model import resolve_config, resolve_model
 from hf_softmax_rnn.errors import TrainingDivergedError, UserInputError, user_input_checks
 from hf_softmax_rnn.evaluation import next_token_nll
@@ -261,6 +262,9 @@ class Finetuner:
                     seed=config.seed,
                     shuffle_buffer=config.shuffle_buffer,
                     flag=flag,
+                    transform=FactPlanter(self.tokenizer, config.recall_facts, size, config.seed)
+                    if config.recall_facts
+                    else None,
                 )
                 for size, flag in flags.items()
             }

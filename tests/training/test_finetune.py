@@ -26,6 +26,7 @@ from transformers import (
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.data.recall import FactPlanter
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.long_context import extend_context
@@ -254,6 +255,21 @@ def test_finetune_on_generated_text_trains_on_the_models_own_samples(tiny_models
     assert mixed.evaluations["base"] == plain.evaluations["base"]
     saved = json.loads((tmp_path / "mixed" / "results.json").read_text())
     assert saved["config"]["dataset"] == "pydoc+generated"
+
+
+def test_recall_facts_are_written_into_the_training_blocks_and_not_the_held_out_ones(tiny_models, tmp_path):
+    settings = dict(block_size=64, finetune_steps=1, transfer_steps=0)
+    plain = Finetuner(tiny_config(tiny_models["llama"], tmp_path / "plain", **settings))
+    facts = Finetuner(tiny_config(tiny_models["llama"], tmp_path / "facts", recall_facts=1, **settings))
+    assert torch.equal(facts.eval_ids, plain.eval_ids)
+    planted, original = facts.train_data[64].next_blocks(2), plain.train_data[64].next_blocks(2)
+    planter = FactPlanter(facts.tokenizer, 1, 64, seed=0)
+    for position, (row, source) in enumerate(zip(planted, original, strict=True)):
+        assert torch.equal(row, planter.plant(source, key=position)[0])
+        changed = row != source
+        assert changed[:32].any() and changed[32:].any()
+    result = finetune(tiny_config(tiny_models["llama"], tmp_path / "run", recall_facts=1, **settings))
+    assert math.isfinite(result.evaluations["finetune"]["perplexity"])
 
 
 @pytest.mark.parametrize("method", ["rnn", "lora"])

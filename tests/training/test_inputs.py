@@ -65,6 +65,11 @@ BAD_RUNS = {
         r"the tokenizer writes a key with no token that decodes to digits alone",
     ),
     "missing-model": (dict(model="{tmp}/no_model"), FileNotFoundError, "no_model"),
+    "recall-facts-that-do-not-fit-the-blocks": (
+        dict(recall_facts=3),
+        UserInputError,
+        r"--recall-facts 3 does not fit blocks of 16 tokens: .*; expected at most 0, or longer blocks",
+    ),
     "rnn-method-without-rnn-params": (
         dict(attention="linear_elu", transfer_steps=0, finetune_method="rnn"),
         UserInputError,
@@ -205,6 +210,7 @@ BAD_SETTINGS = {
         r"--attention '\[\"softmax\"\]' is not allowed; expected a preset name, a JSON object or a \.json file",
     ),
     "zero-shuffle-buffer": (dict(shuffle_buffer=0), r"shuffle_buffer=0 is not allowed; expected a number >= 1"),
+    "negative-recall-facts": (dict(recall_facts=-1), r"recall_facts=-1 is not allowed; expected a number >= 0"),
     "negative-seed": (dict(seed=-1), r"seed=-1 is not allowed; expected an int from 0 to 2\*\*32 - 1"),
     "seed-above-32-bits": (dict(seed=2**32), r"seed=4294967296 is not allowed"),
     "eval-block-size-1": (dict(eval_block_size=1), r"eval_block_size=1 is not allowed; expected an int >= 2"),
