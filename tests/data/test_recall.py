@@ -5,13 +5,13 @@ import re
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.data.recall import FACT, KEYS, RESTATED, FactPlanter
 from hf_softmax_rnn.long_context import needles
 from hf_softmax_rnn.long_context.passkey import passkey_prompt
-from hf_softmax_rnn.training.data import ShuffledBlocks
+from hf_softmax_rnn.training.data import ShuffledBlocks, StreamedBlocks
 
 BLOCK = 1024
 TOKENIZER = byte_tokenizer()
@@ -63,14 +63,29 @@ def test_the_facts_are_a_function_of_the_seed_and_the_blocks_place():
     assert not torch.equal(FactPlanter(TOKENIZER, 2, BLOCK, seed=1).plant(block, key=5)[0], same)
 
 
-def test_a_stream_with_facts_hands_out_the_same_blocks_after_a_restore():
-    blocks = Dataset.from_dict({"input_ids": [_block(seed).tolist() for seed in range(5)]})
+def _rows():
+    for seed in range(5):
+        yield {"input_ids": _block(seed).tolist()}
+
+
+READERS = {
+    "shuffled": lambda planter: ShuffledBlocks(
+        Dataset.from_dict({"input_ids": [_block(seed).tolist() for seed in range(5)]}), seed=3, transform=planter
+    ),
+    "streamed": lambda planter: StreamedBlocks(
+        IterableDataset.from_generator(_rows), seed=3, shuffle_buffer=1, transform=planter
+    ),
+}
+
+
+@pytest.mark.parametrize("make_reader", READERS.values(), ids=READERS.keys())
+def test_a_stream_with_facts_hands_out_the_same_blocks_after_a_restore(make_reader):
     planter = FactPlanter(TOKENIZER, 2, BLOCK, seed=0)
-    reader = ShuffledBlocks(blocks, seed=3, transform=planter)
+    reader = make_reader(planter)
     reader.next_blocks(3)
     state = reader.state_dict()
-    expected = reader.next_blocks(4)
-    restored = ShuffledBlocks(blocks, seed=3, transform=planter)
+    expected = reader.next_blocks(4)  # crosses into the second epoch
+    restored = make_reader(planter)
     restored.load_state_dict(state)
     assert torch.equal(restored.next_blocks(4), expected)
     assert all(" Ledger entry: the " in _text(row) for row in expected)
