@@ -104,7 +104,9 @@ class AttentionSpec:
         window: W for a sliding-window hybrid: the last W positions (the query's own included)
             are scored with the exact exp(q.k), older ones with the finite-state kernel, under one
             normaliser (finite-state kernels and row-scale-invariant normalisers only); None = no
-            window. Decoding keeps the W keys and values beside the recurrent state.
+            window. Decoding keeps the W keys and values beside the recurrent state. With
+            kind="softmax": sliding-window softmax, the last W positions (by index, padding included, as
+            transformers' sliding-window layers count them) and nothing older.
         sinks: S attention sinks: the first S visible (non-padding) positions are also scored with
             the exact exp(q.k), under the window's normaliser and row shift, and never enter the
             finite state (a key both in the window and a sink counts once); needs a `window`;
@@ -272,13 +274,14 @@ class AttentionSpec:
                 raise TypeError(f"AttentionSpec.{name}={value!r} has type {type(value).__name__}; expected {words}")
 
     def _validate_window(self) -> None:
+        if self.kind == "softmax":  # sliding-window softmax: its other fields are checked as softmax's
+            return
         if self.is_exact_exp:
             raise ValueError(
                 f"AttentionSpec.window={self.window} is not allowed with {self.describe()}: a window splits a "
-                "finite-state "
-                "kernel into exact exp over the last W positions and the kernel beyond them; plain sliding-window "
-                "attention is not offered. Use kind='linear' (a feature map) or kind='recurrent_softmax' with "
-                "a taylor_order"
+                "finite-state kernel into exact exp over the last W positions and the kernel beyond them. Use "
+                "kind='softmax' for sliding-window softmax (nothing beyond the window), kind='linear' (a feature "
+                "map) or kind='recurrent_softmax' with a taylor_order"
             )
         if self.normalizer not in ROW_SCALE_INVARIANT_NORMALIZERS:
             raise ValueError(
@@ -432,7 +435,9 @@ class AttentionSpec:
     def describe(self) -> str:
         """One line in words, e.g. for model cards and tables."""
         if self.kind == "softmax":
-            return "exact softmax attention"
+            return "exact softmax attention" + (
+                "" if self.window is None else f" over the last {self.window} positions"
+            )
         if self.kind == "recurrent_softmax":
             kernel = (
                 "exp(q.k)" if self.taylor_order is None else f"order-{self.taylor_order} Taylor expansion of exp(q.k)"

@@ -32,7 +32,7 @@ from hf_softmax_rnn.models import (
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
-from hf_softmax_rnn.models.llama_like import declares, sliding_window_layers
+from hf_softmax_rnn.models.llama_like import sliding_window_layers
 from hf_softmax_rnn.models.modeling_softmax_rnn import SoftmaxRNNPreTrainedMixin
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
 def check_convertible(config: PreTrainedConfig) -> None:
     """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
     naming its `model_type` and the types `convert` takes; ValueError for a model of such a type whose
-    attention the converted model cannot reproduce (cross-attention, bidirectional attention, a sliding
-    window, soft-capped attention scores), naming the setting."""
+    attention the converted model cannot reproduce (cross-attention, bidirectional attention, soft-capped
+    attention scores), naming the setting."""
     model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
     if config.model_type not in model_types:
         raise TypeError(
@@ -101,22 +101,13 @@ def check_convertible(config: PreTrainedConfig) -> None:
             "converted model would differ); to convert it anyway, without the cap, load it with "
             "attn_logit_softcapping=None"
         )
+
+
+def _sliding_layers(config: PreTrainedConfig) -> list[int]:
+    """The layers of a source model that attend to its last `sliding_window` positions only."""
     if config.model_type in {family.config_class.model_type for family in LLAMA_LIKE_FAMILIES}:
-        sliding = sliding_window_layers(config)
-        if sliding:
-            num_layers = config.num_hidden_layers
-            full_attention = (
-                f"layer_types=['full_attention'] * {num_layers}"
-                if declares(type(config), "layer_types")
-                else "sliding_window=None"
-            )
-            raise ValueError(
-                f"convert() cannot keep the sliding window of this {config.model_type} model: layers "
-                f"{'all' if len(sliding) == num_layers else sliding} attend to the last sliding_window="
-                f"{config.sliding_window} positions only, softmax_rnn layers to every earlier position (the "
-                "converted model would differ on longer sequences); to convert it anyway, as full attention, "
-                f"load it with {full_attention}"
-            )
+        return sliding_window_layers(config)
+    return []
 
 
 def converted_model_type(config: PreTrainedConfig) -> str:
@@ -148,19 +139,36 @@ def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
 
 
 def _layer_overrides(
-    layers: Iterable[int] | None, specs: Mapping[int, AttentionSpec | dict | str] | None, num_layers: int
+    spec: AttentionSpec,
+    layers: Iterable[int] | None,
+    specs: Mapping[int, AttentionSpec | dict | str] | None,
+    num_layers: int,
+    sliding: Mapping[int, int],
 ) -> dict[str, AttentionSpec | dict | str] | None:
-    """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names."""
+    """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names; a layer
+    of `sliding` (index -> the source's window) that computes exact softmax keeps its sliding window."""
     converted = list(range(num_layers)) if layers is None else converted_layers(layers, num_layers)
-    unconverted = {str(i): "softmax" for i in range(num_layers) if i not in converted}
-    specs = dict(specs or {})
+    specs = {key: AttentionSpec.coerce(value) for key, value in dict(specs or {}).items()}
     outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in converted]
     if outside:
         raise ValueError(
             f"convert(layer_attention=...) names layers {outside}; expected indices of converted layers "
             f"{list(converted)}"
         )
-    overrides = unconverted | {str(i): spec for i, spec in specs.items()}
+    plain_softmax = AttentionSpec()
+    layer_specs = {i: specs.get(i, spec) if i in converted else plain_softmax for i in range(num_layers)}
+    for i, window in sliding.items():
+        if layer_specs[i] == plain_softmax:
+            layer_specs[i] = AttentionSpec(window=window)
+        else:
+            logger.info(
+                "Layer %d attends to the last %d positions in the source model; converted to %s, it reads every "
+                "earlier position",
+                i,
+                window,
+                layer_specs[i].describe(),
+            )
+    overrides = {str(i): layer for i, layer in layer_specs.items() if layer != spec or i in specs}
     return overrides or None
 
 
@@ -233,6 +241,9 @@ def convert(
         the attention fields), generation config, dtype, device and train/eval mode, and a
         copy of every weight (loaded strictly: each original parameter must find its place).
 
+    A layer the source limits to its last `sliding_window` positions keeps that window where it stays exact
+    softmax (`AttentionSpec(window=W)`); converted, it takes the spec it is given (logged at INFO).
+
     The new parameters start where they change the model least (`RNNParams.reset_parameters`):
     gates open (weight 0, bias 5: sigmoid = 0.993 for every token), norm weight 1 and bias 0,
     seqlen power 0.5, hedgehog maps the identity. The kernel change itself (exp -> a
@@ -256,12 +267,13 @@ def convert(
         )
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
-    if fields.get("sliding_window") is not None:  # set, but no layer slides (check_convertible)
-        fields["sliding_window"] = None
+    sliding = dict.fromkeys(_sliding_layers(source.config), fields.get("sliding_window"))
+    if "sliding_window" in fields:
+        fields["sliding_window"] = None  # the layers' specs hold their windows
     config = config_class(
         **fields,
         attention=spec,
-        layer_attention=_layer_overrides(layers, layer_attention, source.config.num_hidden_layers),
+        layer_attention=_layer_overrides(spec, layers, layer_attention, source.config.num_hidden_layers, sliding),
         attention_mode=attention_mode,
     )
     with init.no_init_weights():  # every weight but rnn_params (initialised on construction) is loaded next

@@ -78,8 +78,9 @@ def test_odd_taylor_order_with_denominator_warns():
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
-        (dict(kind="softmax", window=3), ValueError, "plain sliding-window attention is not offered"),
-        (dict(kind="recurrent_softmax", normalizer="l2", window=3), ValueError, "plain sliding-window"),
+        (dict(kind="softmax", window=0), ValueError, r"window=0 is not allowed; expected None or an int >= 1"),
+        (dict(kind="softmax", window=3, sinks=1), ValueError, r"sinks=1 is not allowed with exact softmax attention"),
+        (dict(kind="recurrent_softmax", normalizer="l2", window=3), ValueError, "Use kind='softmax' for sliding"),
         (
             dict(kind="linear", feature_map="elu", window=0),
             ValueError,
@@ -95,11 +96,29 @@ def test_odd_taylor_order_with_denominator_warns():
         (dict(kind="linear", feature_map="elu", input_gate="false"), TypeError, "input_gate='false' has type str"),
         (dict(kind="linear", feature_map="elu", chunk_size=8.0), TypeError, "chunk_size=8.0 has type float"),
     ],
-    ids=["softmax", "exact-exp", "zero", "bool", "float", "non-invariant-norm", "string-bool", "float-int"],
+    ids=[
+        "softmax-zero",
+        "softmax-sinks",
+        "exact-exp",
+        "zero",
+        "bool",
+        "float",
+        "non-invariant-norm",
+        "string-bool",
+        "float-int",
+    ],
 )
 def test_window_and_field_types_are_validated(fields, error, message):
     with pytest.raises(error, match=message):
         AttentionSpec(**fields)
+
+
+def test_a_softmax_window_is_sliding_window_softmax_decoded_from_a_kv_cache():
+    spec = AttentionSpec(window=8)
+    assert spec.describe() == "exact softmax attention over the last 8 positions"
+    assert not spec.fits_recurrent_state(64) and spec.exact_positions == 8
+    with pytest.raises(ValueError, match="needs a finite state"):
+        spec.check_mode("chunked", 64)
 
 
 def test_window_presets_describe_and_size_their_state():

@@ -164,7 +164,7 @@ class RNNParams(nn.Module):
             self.hedgehog_q = nn.Parameter(torch.empty(num_heads, head_dim, width))
             self.hedgehog_k = nn.Parameter(torch.empty(num_kv_heads, head_dim, width))
             self._tensor_names += ["hedgehog_q", "hedgehog_k"]
-        if spec.window is not None:
+        if spec.window is not None and spec.has_finite_state:  # (sliding-window softmax mixes in nothing)
             self.linear_log_scale = nn.Parameter(torch.empty(num_heads))
             self._tensor_names.append("linear_log_scale")
         self.short_conv_weight = None

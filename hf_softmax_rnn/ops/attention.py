@@ -171,7 +171,8 @@ def attention(
     exact_hybrid = _every_key_exact(spec, key_len, state is None, needs_state)
     if spec.kind == "softmax" or exact_hybrid:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
-        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale)
+        window = spec.window if spec.kind == "softmax" else None  # a hybrid's keys here are all exact
+        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale, window)
         if spec.output_gate and spec.output_gate_position == "after_norm":  # (before the softmax normaliser: inert)
             out = out * gates["output"].unsqueeze(-1).to(out.dtype)
         if exact_hybrid and torch.is_grad_enabled():
@@ -302,6 +303,7 @@ def _every_key_exact(spec: AttentionSpec, key_len: int, fresh_state: bool, needs
     log-decays) get zero gradients (`_ZeroGradients`), as they change nothing."""
     return (
         spec.window is not None
+        and spec.has_finite_state
         and fresh_state
         and not needs_state
         and key_len <= spec.exact_positions

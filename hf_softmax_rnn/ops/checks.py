@@ -132,7 +132,7 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
     _check_gates(gates, q, k, spec)
-    if spec.window is not None and params.linear_log_scale is None:
+    if spec.window is not None and spec.has_finite_state and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )

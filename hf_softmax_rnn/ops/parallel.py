@@ -20,11 +20,13 @@ from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
 
-def visible_mask(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
-    """Causal-and-padding visibility `[B, 1, 1, Lq, Lk]` for queries at the last Lq positions."""
+def visible_mask(key_mask: torch.Tensor, query_len: int, window: int | None = None) -> torch.Tensor:
+    """Causal-and-padding visibility `[B, 1, 1, Lq, Lk]` for queries at the last Lq positions; with `window`
+    W, only the keys fewer than W positions (by index) before the query."""
     key_len = key_mask.shape[-1]
     positions = torch.arange(key_len, device=key_mask.device)
-    causal = positions[None, :] <= positions[key_len - query_len :, None]
+    offsets = positions[key_len - query_len :, None] - positions[None, :]
+    causal = offsets >= 0 if window is None else (offsets >= 0) & (offsets < window)
     return (causal[None] & key_mask[:, None, :])[:, None, None]
 
 

@@ -1,7 +1,8 @@
 """Exact causal softmax attention: SDPA fast path and a float64 reference.
 
 Shapes: q `[B, H, Lq, D]`, k and v `[B, Hkv, Lk, D]` (grouped-query heads are never
-repeated), key_mask `[B, Lk]` bool; queries are the last Lq positions.
+repeated), key_mask `[B, Lk]` bool; queries are the last Lq positions. `window` W (sliding-window
+softmax): each query sees only the keys fewer than W positions before it, by index.
 """
 
 from __future__ import annotations
@@ -13,19 +14,27 @@ from hf_softmax_rnn.ops.parallel import visible_mask
 
 
 def softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal softmax through `scaled_dot_product_attention` -> `[B, H, Lq, Dv]`.
+    """Causal (sliding-window) softmax through `scaled_dot_product_attention` -> `[B, H, Lq, Dv]`.
 
     Query rows that see no position (left padding) return zeros instead of NaN.
     """
     query_len, key_len = q.shape[-2], k.shape[-2]
-    k, v, enable_gqa = _grouped_kv_for_sdpa(q, k, v, masked=key_mask is not None or query_len != key_len)
-    if key_mask is None and query_len == key_len:
+    if window is not None and window >= key_len:
+        window = None
+    masked = key_mask is not None or query_len != key_len or window is not None
+    k, v, enable_gqa = _grouped_kv_for_sdpa(q, k, v, masked=masked)
+    if not masked:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if key_mask is None:
         key_mask = torch.ones(q.shape[0], key_len, dtype=torch.bool, device=q.device)
-    visible = visible_mask(key_mask, query_len)[:, 0]
+    visible = visible_mask(key_mask, query_len, window)[:, 0]
     row_sees_something = visible.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=visible | ~row_sees_something, scale=scale, enable_gqa=enable_gqa
@@ -48,14 +57,19 @@ def _grouped_kv_for_sdpa(
 
 
 def softmax_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same in float64 with an explicit L x L matrix and repeated K/V (for tests)."""
     groups = q.shape[1] // k.shape[1]
     q64, k64, v64 = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
     if key_mask is None:
         key_mask = torch.ones(q.shape[0], k.shape[-2], dtype=torch.bool, device=q.device)
-    visible = visible_mask(key_mask, q.shape[-2])[:, 0]
+    visible = visible_mask(key_mask, q.shape[-2], window)[:, 0]
     scores = (scale * q64 @ k64.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (weights @ v64).to(q.dtype)

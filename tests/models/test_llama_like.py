@@ -2,6 +2,7 @@
 Gemma 2): converted models against the unmodified transformers models they come from."""
 
 import copy
+import logging
 import re
 
 import pytest
@@ -174,26 +175,68 @@ def test_every_family_is_registered_under_its_model_type():
         assert isinstance(model, family.causal_lm)
 
 
-@pytest.mark.parametrize(
-    ("config", "layers"),
-    [
-        (MistralConfig(**SHAPE, sliding_window=16), "all"),
-        (MixtralConfig(**SHAPE, sliding_window=16), "all"),
-        (Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\[1\]"),
-        (Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "all"),
-        (Phi3Config(**SHAPE, sliding_window=16), "all"),
-        (SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2), r"\[1\]"),
-        (Gemma2Config(**SHAPE, sliding_window=16, attn_logit_softcapping=None), r"\[0\]"),
-    ],
-    ids=["mistral", "mixtral", "qwen2-layer-1", "qwen3", "phi3", "smollm3-nope-layer-1", "gemma2-layer-0"],
-)
-def test_a_sliding_window_is_refused_from_the_config_before_the_weights_load(config, layers, tmp_path):
-    message = rf"layers {layers} attend to the last sliding_window=16 positions only"
-    with pytest.raises(ValueError, match=message):
-        check_convertible(config)
-    config.save_pretrained(tmp_path)  # a config without weights: convert stops before it would load them
-    with pytest.raises(ValueError, match=message):
-        convert(tmp_path, "linear_elu")
+SLIDING = {
+    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=4), [0, 1]),
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **MOE, num_local_experts=4, sliding_window=4), [0, 1]),
+    "qwen2-layer-1": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        [1],
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        [0, 1],
+    ),
+    "phi3": (Phi3ForCausalLM, Phi3Config(**SHAPE, sliding_window=4), [0, 1]),
+    "smollm3-nope-layer-1": (
+        SmolLM3ForCausalLM,
+        SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=4, no_rope_layer_interval=2),
+        [1],
+    ),
+    "gemma2-layer-0": (
+        Gemma2ForCausalLM,
+        Gemma2Config(**SHAPE, **{**GEMMA2, "layer_types": ["sliding_attention", "full_attention"]}, sliding_window=4),
+        [0],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_sliding_window_layers_keep_their_window_in_a_softmax_conversion(name):
+    """Prompts of 10 and 6 tokens and 5 new ones cross the window of 4: the converted model's sliding layers
+    read the last 4 positions only, as the original's do (on the tokens: Gemma 2's eager attention gives padded
+    positions other values)."""
+    model_class, config, sliding = SLIDING[name]
+    source = model_class(copy.deepcopy(config)).eval()
+    converted = convert(source, "softmax")
+    assert converted.config.sliding_window is None
+    specs = [converted.config.attention_spec(i) for i in range(2)]
+    assert specs == [AttentionSpec(window=4) if i in sliding else AttentionSpec() for i in range(2)]
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    difference = (logits(converted, ids, mask) - logits(source, ids, mask))[visible].abs().max()
+    assert difference <= 2e-6
+    assert torch.equal(greedy(converted, ids, mask), greedy(source, ids, mask))
+
+
+def test_a_sliding_layer_left_exact_in_a_hybrid_keeps_its_window(caplog):
+    """Qwen2 with a sliding window in layer 1: converting layer 0 leaves layer 1 sliding-window softmax (decoded
+    from a KV cache); converting both logs that layer 1 now reads every earlier position."""
+    _, config, _ = SLIDING["qwen2-layer-1"]
+    source = Qwen2ForCausalLM(copy.deepcopy(config)).eval()
+    hybrid = convert(source, "linear_elu", layers=[0])
+    assert hybrid.config.attention_spec(1) == AttentionSpec(window=4)
+    ids, mask = left_padded_batch()
+    cached = greedy(hybrid, ids, mask, output_logits=True, return_dict_in_generate=True)
+    uncached = greedy(hybrid, ids, mask, output_logits=True, return_dict_in_generate=True, use_cache=False)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for step_cached, step_uncached in zip(cached.logits, uncached.logits, strict=True):
+        torch.testing.assert_close(step_cached, step_uncached, atol=1e-4, rtol=0)
+    with caplog.at_level(logging.INFO, logger="hf_softmax_rnn.convert"):
+        converted = convert(source, "linear_elu")
+    assert converted.config.attention_spec(1) == AttentionSpec.from_preset("linear_elu")
+    assert "Layer 1 attends to the last 4 positions in the source model" in caplog.text
 
 
 def test_a_sliding_window_that_no_layer_uses_is_dropped():
@@ -213,25 +256,25 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
             MistralForCausalLM,
             MistralConfig(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            "sliding_window=None",
+            None,
         ),
         (
             Qwen2ForCausalLM,
             Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1),
             dict(layer_types=["full_attention"] * 2),
-            "layer_types=['full_attention'] * 2",
+            None,
         ),
         (
             Phi3ForCausalLM,
             Phi3Config(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            "sliding_window=None",
+            None,
         ),
         (
             SmolLM3ForCausalLM,
             SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2),
             dict(layer_types=["full_attention"] * 2),
-            "layer_types=['full_attention'] * 2",
+            None,
         ),
         (
             Gemma2ForCausalLM,
@@ -243,12 +286,13 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
     ids=["mistral", "qwen2", "phi3", "smollm3", "gemma2"],
 )
 def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
-    """The settings the refusals name (`sliding_window=None`, or full-attention `layer_types`; no soft-capping)
-    convert the model as the full-attention model transformers loads with them (on the tokens: Gemma 2's eager
-    attention gives padded positions other values)."""
+    """A model loaded as full attention (`sliding_window=None`, or full-attention `layer_types`; no soft-capping,
+    which the refusal names) converts as the full-attention model transformers loads with them (on the tokens:
+    Gemma 2's eager attention gives padded positions other values)."""
     model_class(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
-        convert(tmp_path, "softmax")
+    if hint is not None:
+        with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
+            convert(tmp_path, "softmax")
     converted = convert(tmp_path, "softmax", **full_attention)
     reference = model_class.from_pretrained(tmp_path, **full_attention).eval()
     ids, mask = left_padded_batch(lengths=(24, 12))

@@ -21,6 +21,34 @@ def test_sdpa_matches_reference(padded, query_len):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+def _explicit_sliding_softmax(q, k, v, mask, window, scale):
+    """Sliding-window softmax with its mask written out key by key, in float64."""
+    groups = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    query_len, key_len = q.shape[-2], k.shape[-2]
+    allowed = torch.zeros(q.shape[0], query_len, key_len, dtype=torch.bool)
+    for row in range(query_len):
+        position = key_len - query_len + row
+        for key in range(max(0, position - window + 1), position + 1):
+            allowed[:, row, key] = True if mask is None else mask[:, key].bool()
+    scores = (scale * q64 @ k64.transpose(-1, -2)).masked_fill(~allowed[:, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v64).to(q.dtype)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("query_len", [10, 3, 1], ids=lambda n: f"q{n}")
+@pytest.mark.parametrize("window", [1, 4, 10], ids=lambda w: f"window{w}")
+def test_sliding_window_softmax_reads_only_its_window(padded, query_len, window):
+    q, k, v, _ = make_inputs(length=10, dtype=torch.float32)
+    q = q[..., -query_len:, :]
+    mask = left_padding_mask(2, 10, [0, 4]) if padded else None
+    out, _ = attention(q, k, v, AttentionSpec(window=window), attention_mask=mask)
+    expected = _explicit_sliding_softmax(q, k, v, mask, window, 8**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    reference = softmax_attention_reference(q, k, v, None if mask is None else mask.bool(), 8**-0.5, window)
+    torch.testing.assert_close(reference, expected, rtol=0, atol=1e-6)
+
+
 def test_recurrent_softmax_exact_exp_with_softmax_normaliser_is_softmax():
     q, k, v, _ = make_inputs(length=12)
     mask = left_padding_mask(2, 12, [5, 0])

@@ -17,10 +17,11 @@ from hf_softmax_rnn.models.llama_like.families import LLAMA_LIKE_FAMILIES, Llama
 
 
 class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
-    """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: every layer
-    attends to every earlier position, so a sliding window is refused (`sliding_window` must be None, and
-    `layer_types` given to a family's config, Qwen2's or Qwen3's, may only name full attention), and scores
-    q.k without a cap (Gemma 2's `attn_logit_softcapping` must be None)."""
+    """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: each layer's window
+    lives in its spec (sliding-window softmax is `AttentionSpec(window=W)`), so the family's own
+    `sliding_window` must be None and `layer_types` given to a family's config, Qwen2's or Qwen3's, may only
+    name full attention; and the layers score q.k without a cap (Gemma 2's `attn_logit_softcapping` must be
+    None)."""
 
     @property
     def layer_types(self) -> list[str]:
@@ -33,8 +34,8 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
         others = sorted({kind for kind in value or () if kind not in (KV_LAYER_TYPE, RECURRENT_LAYER_TYPE)})
         if others:
             raise ValueError(
-                f"{self.model_type} has layer_types with {others}: its layers attend to every earlier position; "
-                f"expected None or only {KV_LAYER_TYPE!r} entries"
+                f"{self.model_type} has layer_types with {others}: a layer's window is given by its AttentionSpec "
+                f"(AttentionSpec(window=W) in layer_attention); expected None or only {KV_LAYER_TYPE!r} entries"
             )
 
     def validate_sliding_window(self) -> None:
@@ -42,8 +43,9 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
         window = getattr(self, "sliding_window", None)
         if window is not None:
             raise ValueError(
-                f"{self.model_type} has sliding_window={window}: its layers attend to every earlier position (an "
-                "AttentionSpec's window is that of a finite-state hybrid); expected sliding_window=None"
+                f"{self.model_type} has sliding_window={window}: a layer's window is given by its AttentionSpec "
+                "(sliding-window softmax: AttentionSpec(window=W), per layer in layer_attention); expected "
+                "sliding_window=None"
             )
 
     def validate_attn_logit_softcapping(self) -> None:
