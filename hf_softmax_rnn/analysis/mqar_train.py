@@ -86,11 +86,12 @@ class MQARResult:
 
 
 def state_floats(spec: AttentionSpec, *, d_model: int, num_heads: int, num_layers: int, seq_len: int) -> int:
-    """Floats a model keeps per sequence to decode: recurrent state (S, z) for a finite-state
-    spec, else the KV cache after `seq_len` tokens."""
+    """Floats a model keeps per sequence to decode: the recurrent state for a finite-state spec (S and z, and
+    what `AttentionSpec.state_bytes` adds: a window's keys and values, a short convolution's last inputs),
+    else the KV cache after `seq_len` tokens."""
     head_dim = d_model // num_heads
     if spec.has_finite_state:
-        per_head = spec.feature_dim(head_dim) * (head_dim + 1)
+        per_head = spec.state_bytes(head_dim) // 4
     else:
         per_head = 2 * seq_len * head_dim
     return per_head * num_heads * num_layers

@@ -24,5 +24,11 @@ def test_state_of_finite_state_specs_is_the_recurrent_state(attention):
     assert floats == 2 * 2 * spec.state_bytes(head_dim=32) // 4
 
 
+def test_a_short_convolution_adds_its_last_keys_and_values_to_the_state():
+    plain = state_floats(AttentionSpec.from_preset("deltanet"), d_model=64, num_heads=2, num_layers=2, seq_len=64)
+    conv = state_floats(AttentionSpec.from_preset("deltanet_conv"), d_model=64, num_heads=2, num_layers=2, seq_len=64)
+    assert plain == 2 * 2 * 32 * 33 and conv == plain + 2 * 2 * 3 * (32 + 32)  # width 4: 3 keys and values a head
+
+
 def test_state_of_exact_exp_is_the_kv_cache():
     assert state_floats(AttentionSpec(), d_model=64, num_heads=2, num_layers=2, seq_len=64) == 2 * 2 * 64 * 64
