@@ -70,6 +70,7 @@ class Block:
     code: str
     line: int
     runs: list[str] = field(default_factory=list)
+    as_written: str = ""
 
 
 def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
@@ -95,6 +96,7 @@ def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
 
 
 def _adapted(block: Block, directives: list[tuple[str, str]]) -> Block:
+    block.as_written = block.code
     for name, arguments in directives:
         values = [ast.literal_eval(value) for value in shlex.split(arguments, posix=False)]
         if name == "replace":
@@ -140,6 +142,22 @@ def test_python_blocks_of_each_section_run(source, section, section_sandbox):
         if block.language == "python" and (block.source, block.section) == (source, section)
     )
     run_python(code, f"<{source}: {section}>")
+
+
+#: The first blocks a reader runs, which load the embedded model: run as written too, not on a tiny stand-in.
+QUICK_STARTS = [
+    next(block for block in BLOCKS if block.source == source and block.section == section)
+    for source, section in (("README.md", "Quick start"), ("docs/getting_started.md", "A first model"))
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", QUICK_STARTS, ids=[f"{block.source}: {block.section}" for block in QUICK_STARTS])
+def test_the_quick_starts_run_as_written_on_the_embedded_model(block, section_sandbox, capsys):
+    assert "hf_softmax_rnn.default_model()" in block.as_written
+    exec(compile(block.as_written, f"<{block.source}: {block.section}, as written>", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out
+    assert "A Python dictionary is" in printed and len(printed.split()) > 8  # the prompt and a continuation
 
 
 def test_a_broken_python_block_fails(section_sandbox):
