@@ -7,7 +7,9 @@ same token stream up to that length (in chunks, not timed) and decodes `--warmup
 untimed (this compiles and records CUDA graphs with `--compile`); then the models are timed in
 interleaved rounds (`--rounds` x `--steps` tokens each), so a change in load from other processes
 falls on every model alike. Latencies are medians; each step is synchronised on a GPU before the
-clock is read.
+clock is read. `--clock cpu` (CPU, `--threads 1`) reads the process's CPU time instead of the wall
+clock: on a machine that other work shares, a step's wall time also counts the time the process
+waited for a core; its CPU time is what an idle machine's wall clock would show.
 
     python scripts/bench_generate.py                     # 128 ... 16384, writes docs/figures/bench_generate.*
     python scripts/bench_generate.py --contexts 128 1024 --steps 4 --rounds 1
@@ -85,9 +87,12 @@ class Decoder:
     """One model, its decode step and the cache it is on: eager over a `DynamicCache`, or over a
     `StaticCache` compiled (`compile_mode`) or recorded as a CUDA graph (`cuda_graph`)."""
 
-    def __init__(self, name: str, model, compile_mode: str | None = None, cuda_graph: bool = False) -> None:
+    def __init__(
+        self, name: str, model, compile_mode: str | None = None, cuda_graph: bool = False, clock=time.perf_counter
+    ) -> None:
         self.name = name
         self.model = model
+        self.clock = clock
         self.compiled = compile_mode is not None
         self.cuda_graph = cuda_graph
         self.forward = torch.compile(model, mode=compile_mode) if self.compiled else model
@@ -127,10 +132,10 @@ class Decoder:
         device = self.next_token.device
         _synchronize(device)
         for _ in range(steps):
-            start = time.perf_counter()
+            start = self.clock()
             self.next_token = self.step()[:, -1:].argmax(-1).clone()
             _synchronize(device)
-            latencies.append(time.perf_counter() - start)
+            latencies.append(self.clock() - start)
         return latencies
 
     def release(self) -> None:
@@ -254,6 +259,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="untimed decode steps per model and context")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what a step's time is: the wall clock, or the process's CPU time (CPU, --threads 1; a shared machine)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     parser.add_argument(
@@ -298,6 +309,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     missing = [path for path in args.converted if not (Path(path) / "config.json").is_file()]
     if missing:
         parser.error(f"--converted {' '.join(missing)}: not a saved model folder (no config.json)")
+    if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
+        parser.error(
+            f"--clock cpu needs --device cpu (got {args.device!r}) and --threads 1 (got {args.threads}): the process's "
+            "CPU time is a step's time only when one thread computes it"
+        )
     if args.compile and args.cuda_graph:
         parser.error("--compile and --cuda-graph are two ways to decode; pass one of them")
     if args.cuda_graph and (not args.device.startswith("cuda") or args.warmup < 2):
@@ -375,12 +391,13 @@ def main() -> None:
             models[path] = load_converted(path, config, base_model.config.vocab_size, args.random_weights)
     except UserInputError as error:
         _exit_with(error)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     decoders = [
-        Decoder(name, model.eval().to(device=device, dtype=dtype), compile_mode, args.cuda_graph)
+        Decoder(name, model.eval().to(device=device, dtype=dtype), compile_mode, args.cuda_graph, clock)
         for name, model in models.items()
     ]
     baseline = base_model.eval().to(device=device, dtype=dtype)
-    decoders.insert(0, Decoder(BASELINE, baseline, compile_mode, args.cuda_graph))
+    decoders.insert(0, Decoder(BASELINE, baseline, compile_mode, args.cuda_graph, clock))
     measurements = run_benchmark(decoders, stream.to(device), args)
 
     model_name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL_ALIAS else args.model
@@ -393,7 +410,8 @@ def main() -> None:
         how = f"static cache + torch.compile(mode={compile_mode!r})"
     elif args.cuda_graph:
         how = "static cache + CUDA graph per step (GraphedDecodeStep)"
-    title = f"{model_name}{weights}: greedy decoding, {args.dtype}, {how}, {hardware}"
+    clock_name = ", CPU time per token" if args.clock == "cpu" else ""
+    title = f"{model_name}{weights}: greedy decoding, {args.dtype}, {how}, {hardware}{clock_name}"
     table = markdown_table(measurements, args.contexts)
     report = "\n".join([title, "", table, "", *summary(measurements, args.contexts)])
     print(report)

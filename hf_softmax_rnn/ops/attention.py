@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
@@ -161,7 +162,7 @@ def attention(
         hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
     log_decay = gates.get("decay")
-    if log_decay is not None:
+    if log_decay is not None and attention_mask is not None:  # (without a mask no position is padding)
         log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
     strength = gates.get("delta")
     if length == 0:
@@ -235,8 +236,11 @@ def attention(
                 sinks=spec.sinks,
                 kept=spec.kept,
             )
-        weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
-        augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already)
+        if attention_mask is None:
+            augmented_v = F.pad(v, (0, 1), value=1.0)
+        else:
+            weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
+            augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already)
         augmented, new_state = _finite_state(
             grouped_q,
             k,
@@ -258,8 +262,12 @@ def attention(
         )
         numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
         denominator = denominator.squeeze(-1)
-        visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
-        new_state.t = visible[:, 0, -1]
+        if length == 1:  # (a decoding step: its one count, as the cumulative sum below has it)
+            new_state.t = state.t + key_mask.view(batch)
+            visible = new_state.t.view(batch, 1, 1)
+        else:
+            visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
+            new_state.t = visible[:, 0, -1]
         new_state.made_by = tag
         if not return_state:
             new_state = None

@@ -79,10 +79,14 @@ class HedgehogKernel(FeatureKernel):
         weights cost less than a copy of x). A shorter call (decoding: 0.8 GB a layer, queries and keys,
         at SmolLM2's heads for 4,096 sequences in bfloat16) folds the batch into the rows of one product
         per head: with [W, -W] when its B * L rows outnumber D, else with W, its output then negated and
-        joined (an output smaller than the weights: for a few sequences, far smaller)."""
+        joined (an output smaller than the weights: for a few sequences, far smaller); a single sequence of
+        at most D positions takes that product without folding (the weights broadcast over B = 1 uncopied)."""
         if x.shape[-2] >= 2 * weight.shape[-1]:
             both = torch.cat([weight, -weight], dim=-1).to(x.dtype)  # [*heads, D, 2F], the size of the weights
             return torch.softmax((x @ both).unflatten(-1, (2, -1)), dim=-1).flatten(-2)
+        if x.shape[0] == 1 and x.shape[-2] <= x.shape[-1]:  # one short sequence (decoding one): no fold, no copy
+            products = x @ weight.to(x.dtype)
+            return torch.softmax(torch.stack([products, -products], dim=-2), dim=-1).flatten(-2)
         heads = weight.shape[:-2]
         rows = x.movedim(0, len(heads)).reshape(-1, x.shape[0] * x.shape[-2], x.shape[-1])  # [heads, B * L, D]
         weight = weight.reshape(-1, *weight.shape[-2:]).to(x.dtype)

@@ -364,29 +364,29 @@ def kept_step(
         where none does), the five buffers after the step).
     """
     keys, values, scores, positions, valid = buffers
-    ranked = torch.where(valid, scores, torch.full_like(scores, -torch.inf))
-    ties = ranked == ranked.amin(-1, keepdim=True)  # the empty slots if any, else the lowest rank
-    lowest = torch.iinfo(positions.dtype).min  # below every position, -1 (nothing left the window) included
-    weakest = positions.masked_fill(~ties, lowest).argmax(-1, keepdim=True)  # [B, Hkv, 1]: of equals, the latest
+    ranked = scores.masked_fill(~valid, -torch.inf)
+    lowest = ranked.amin(-1, keepdim=True)  # -inf while a slot is empty
+    latest = torch.iinfo(positions.dtype).min  # below every position, -1 (nothing left the window) included
+    weakest = positions.masked_fill(ranked != lowest, latest).argmax(-1, keepdim=True)  # [B, Hkv, 1]: the latest
+    takes = candidate.unsqueeze(1) & (leaving_score > lowest)  # [B, Hkv, 1] (an empty slot: always, a rank is finite)
     held = valid.gather(-1, weakest)
-    held_score = scores.gather(-1, weakest)
-    takes = candidate[:, None, :] & (~held | (leaving_score > held_score))  # [B, Hkv, 1]
-    rows = weakest[..., None]
+    rows = weakest.unsqueeze(-1)
     held_key = keys.gather(2, rows.expand(-1, -1, -1, keys.shape[-1]))
     held_value = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1]))
+    takes_row = takes.unsqueeze(-1)
     slot = (
-        torch.where(takes[..., None], leaving_key, held_key),
-        torch.where(takes[..., None], leaving_value, held_value),
-        torch.where(takes, leaving_score, held_score),
-        torch.where(takes, leaving_position[:, None, :], positions.gather(-1, weakest)),
+        torch.where(takes_row, leaving_key, held_key),
+        torch.where(takes_row, leaving_value, held_value),
+        torch.where(takes, leaving_score, scores.gather(-1, weakest)),
+        torch.where(takes, leaving_position.unsqueeze(1), positions.gather(-1, weakest)),
         takes | held,
     )
     indices = (rows.expand_as(held_key), rows.expand_as(held_value), weakest, weakest, weakest)
     buffers = tuple(
         write_slots(buffer, 2, index, new, in_place) for buffer, index, new in zip(buffers, indices, slot, strict=True)
     )
-    entering_key = torch.where(takes[..., None], held_key, leaving_key)
-    entering_value = torch.where(takes[..., None], held_value * held[..., None], leaving_value)
+    entering_key = torch.where(takes_row, held_key, leaving_key)
+    entering_value = torch.where(takes_row, held_value * held.unsqueeze(-1), leaving_value)
     return entering_key, entering_value, buffers
 
 

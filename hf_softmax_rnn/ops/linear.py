@@ -122,12 +122,26 @@ def recurrent_linear_attention(
     phi_k = kernel.key_features(k)
     outputs = []
     for t in range(q.shape[-2]):
-        if log_decay is not None:
-            factor = log_decay[..., t, None, None].exp()
-            state = state.mul_(factor) if in_place else state * factor
-        state = _add_outer_product(state, phi_k[..., t, :], v[..., t, :], in_place)
-        outputs.append(grouped_matmul(phi_q[..., t : t + 1, :], state))
+        step_decay = None if log_decay is None else log_decay.narrow(-1, t, 1)
+        state = recurrent_state_step(state, phi_k.select(-2, t), v.select(-2, t), in_place, step_decay)
+        outputs.append(grouped_matmul(phi_q.narrow(-2, t, 1), state))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)), state  # (decoding: no copy)
+
+
+def recurrent_state_step(
+    state: torch.Tensor,
+    key_features: torch.Tensor,
+    value: torch.Tensor,
+    in_place: bool = False,
+    log_decay: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The additive state after one position, S' = a S + phi(k) v'^T: state `[B, Hkv, F, Dv']`, key features
+    `[B, Hkv, F]`, value `[B, Hkv, Dv']`, a = exp(`log_decay` `[B, Hkv, 1]`) or 1 without it; in place as
+    `recurrent_linear_attention` takes `in_place`."""
+    if log_decay is not None:
+        factor = log_decay.exp().unsqueeze(-1)  # [B, Hkv, 1, 1]
+        state = state.mul_(factor) if in_place else state * factor
+    return _add_outer_product(state, key_features, value, in_place)
 
 
 def _add_outer_product(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:

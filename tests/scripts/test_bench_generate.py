@@ -62,6 +62,17 @@ def test_eager_decoding_of_transformers_and_converted_models(tmp_path, monkeypat
     assert "eager, dynamic cache" in printed
 
 
+def test_cpu_clock_times_each_step_by_the_process_cpu_time(tmp_path, monkeypatch, capsys):
+    """With `--clock cpu` a step's time is the difference of two readings of `time.process_time` (here a clock
+    that advances 2.5 ms a reading), not of the wall clock."""
+    readings = iter(range(10**6))
+    monkeypatch.setattr("time.process_time", lambda: 0.0025 * next(readings))
+    result, printed = _run(tmp_path, monkeypatch, capsys, "--presets", "linear_elu", "--clock", "cpu", "--threads", "1")
+    _check(result, printed, ["linear_elu"])
+    assert [m["latency_ms"] for m in result["measurements"]] == pytest.approx([2.5] * len(result["measurements"]))
+    assert "1 CPU thread(s), CPU time per token" in printed
+
+
 @pytest.mark.slow
 def test_compiled_static_cache_decoding(tmp_path, monkeypatch, capsys):
     result, printed = _run(tmp_path, monkeypatch, capsys, "--compile", "--presets", "linear_elu")
@@ -106,6 +117,7 @@ def test_a_saved_model_that_is_not_converted_stops_in_one_line(tmp_path, monkeyp
         (["--prefill-chunk", "0"], "--prefill-chunk=0 is not allowed"),
         (["--threads", "0"], "--threads=0 is not allowed"),
         (["--converted", "no/such/folder"], "--converted no/such/folder: not a saved model folder (no config.json)"),
+        (["--clock", "cpu"], "--clock cpu needs --device cpu (got 'cpu') and --threads 1 (got None)"),
     ],
     ids=[
         "graph_on_cpu",
@@ -117,6 +129,7 @@ def test_a_saved_model_that_is_not_converted_stops_in_one_line(tmp_path, monkeyp
         "prefill_chunk_0",
         "threads_0",
         "converted_missing",
+        "cpu_clock_without_one_thread",
     ],
 )
 def test_bad_arguments_stop_before_loading_anything(tmp_path, monkeypatch, capsys, argv, message):
