@@ -124,6 +124,8 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
 def _check_at_least(name: str, value: float, minimum: float = 1) -> None:
     if not value >= minimum:
         raise UserInputError(f"{name}={value!r} is not allowed; expected a number >= {minimum}")
+    if not math.isfinite(value):  # (a weight decay or loss weight of inf diverges at the first step)
+        raise UserInputError(f"{name}={value!r} is not allowed; expected a finite number >= {minimum}")
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -320,6 +320,14 @@ BAD_SETTINGS = {
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
     ),
+    "infinite-weight-decay": (
+        dict(weight_decay=float("inf")),
+        r"^weight_decay=inf is not allowed; expected a finite number >= 0",
+    ),
+    "infinite-transfer-lm-weight": (
+        dict(transfer_lm_weight=float("inf")),
+        r"^transfer_lm_weight=inf is not allowed; expected a finite number >= 0",
+    ),
 }
 
 
