@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import (
     AutoConfig,
@@ -138,7 +139,9 @@ def default_model_and_tokenizer(
 
 def _load_part(name: str, part: str, load):
     """`load()`, its failures reported as the user's: a missing folder or Hub id (OSError), or files
-    that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer)."""
+    that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer;
+    StrictDataclassError: fields a config class validates together, such as a hidden size that its heads do
+    not divide)."""
     try:
         return load()
     except UserInputError:
@@ -149,7 +152,7 @@ def _load_part(name: str, part: str, load):
             f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass {DEFAULT_MODEL_ALIAS!r} for the embedded "
             f"{DEFAULT_MODEL_NAME}: {error}"
         ) from error
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, StrictDataclassError) as error:
         raise UserInputError(
             f"Model {name!r}: its {part} could not be loaded ({error}); expected a folder saved with "
             "save_pretrained holding config.json, the weights and the tokenizer files"

@@ -576,6 +576,11 @@ BROKEN_MODEL_FOLDERS = {
         r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
     ),
     "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+    "heads-that-do-not-divide-the-hidden-size": (
+        _config_says(num_attention_heads=3, num_key_value_heads=3),
+        r"its config could not be loaded \(.*The hidden size \(32\) is not a multiple of the number of attention "
+        r"heads \(3\)",
+    ),
     "config-with-a-layer-the-weights-lack": (
         _config_says(num_hidden_layers=3),
         r"its weights do not fit the model its config\.json describes \(num_hidden_layers=3, .*\): 9 weights it needs "
