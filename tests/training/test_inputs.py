@@ -10,7 +10,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
@@ -553,6 +553,17 @@ def _truncated_weights(folder):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
+def _embeddings_of(rows: int):
+    """A damage: the model saved again with `rows` token embeddings, fewer than its tokenizer's ids."""
+
+    def damage(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        model.resize_token_embeddings(rows)
+        model.save_pretrained(folder)
+
+    return damage
+
+
 def _random_weights(folder):
     (folder / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
 
@@ -576,6 +587,15 @@ BROKEN_MODEL_FOLDERS = {
         r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
     ),
     "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+    "dtype-that-torch-lacks": (
+        _config_says(dtype="float77", torch_dtype="float77"),
+        r"its config could not be loaded \(module 'torch' has no attribute 'float77'\)",
+    ),
+    "tokenizer-beyond-the-embeddings": (
+        _embeddings_of(64),
+        r"its tokenizer has 128 tokens \(ids 0\.\.127\) but the model embeds 64 \(vocab_size=64\); expected the "
+        r"tokenizer saved with the model",
+    ),
     "heads-that-do-not-divide-the-hidden-size": (
         _config_says(num_attention_heads=3, num_key_value_heads=3),
         r"its config could not be loaded \(.*The hidden size \(32\) is not a multiple of the number of attention "
