@@ -12,6 +12,7 @@ sorted topic is held out), so train and test never share a document.
 from __future__ import annotations
 
 import codecs
+import glob
 import logging
 import os
 from pathlib import Path
@@ -119,7 +120,8 @@ def _load(dataset: str, config_name: str | None, streaming: bool) -> DatasetDict
         else:
             for path in data_files:
                 _check_local_file(path)
-            loaded = load_dataset(builder, data_files=data_files, streaming=streaming)
+            # the paths are files found already: escaped, as `datasets` reads data_files as glob patterns
+            loaded = load_dataset(builder, data_files=[glob.escape(path) for path in data_files], streaming=streaming)
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"Dataset {dataset!r} was not found: pass 'pydoc' (offline default), a local .txt/.json/.jsonl/"
@@ -194,10 +196,18 @@ def _check_no_missing_text(rows: Dataset | IterableDataset, text_column: str, da
 
 
 def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
-    """(builder, files) when `dataset` names local files, else (None, None)."""
+    """(builder, files) when `dataset` names local files, else (None, None). A file that exists is itself
+    (`data[1].txt`, not the `data1.txt` its name matches as a glob), and one of another type is refused."""
     path = Path(dataset)
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.suffix in _FILE_BUILDERS)
+    elif path.is_file():
+        if path.suffix not in _FILE_BUILDERS:
+            raise UserInputError(
+                f"Dataset file {dataset!r} has the suffix {path.suffix!r}; expected one of {sorted(_FILE_BUILDERS)} "
+                "(decompress it first)"
+            )
+        files = [dataset]
     elif path.suffix in _FILE_BUILDERS:
         files = sorted(str(p) for p in path.parent.glob(path.name))
         if not files:
