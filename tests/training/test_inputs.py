@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import random
 import re
 import shutil
@@ -312,6 +313,10 @@ BAD_SETTINGS = {
     "nul-byte-in-a-path": (
         dict(dataset="data\0.txt"),
         r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
+    ),
+    "non-utf8-bytes-in-a-path": (
+        dict(output_dir=os.fsdecode(b"out\xff\xfe")),
+        r"^--output-dir 'out\\udcff\\udcfe' holds bytes that are not UTF-8 \(the escapes above\), which TensorBoard",
     ),
     "empty-output-dir": (dict(output_dir=""), r"^--output-dir '' is empty; expected a name or a path"),
     "blank-dataset": (dict(dataset=" "), r"^--dataset ' ' is empty; expected a name or a path"),
