@@ -268,6 +268,12 @@ def needle_retrieval(
                 for length in lengths:
                     rng = random.Random(f"{seed}/{variant}/{template}/{kind}/{length}")
                     room = length - VARIANTS[variant].answer_tokens
+                    if room < 1:
+                        raise UserInputError(
+                            f"needle prompt length={length} is not allowed for {variant!r}: its answer alone takes "
+                            f"{VARIANTS[variant].answer_tokens} tokens; expected a length above that, with room for "
+                            "the frame, the needles and filler"
+                        )
                     stream = streams[kind]
                     for _ in range(prompts):
                         offset = rng.randrange(0, max(1, len(stream) - room + 1))
