@@ -48,7 +48,10 @@ SOURCE_SEPARATOR = "+"
 
 
 def source_names(dataset: str | None) -> list[str]:
-    """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two)."""
+    """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two); a file or folder
+    that exists under the whole name (`a+b.txt`) is one source."""
+    if dataset is not None and SOURCE_SEPARATOR in dataset and Path(dataset).exists():
+        return [dataset]
     names = [name.strip() for name in (DEFAULT_CORPUS if dataset is None else dataset).split(SOURCE_SEPARATOR)]
     if not all(names) or len(set(names)) != len(names):
         raise UserInputError(

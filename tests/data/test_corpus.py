@@ -138,3 +138,12 @@ def test_a_file_of_another_type_is_refused_naming_its_suffix(tmp_path):
     (tmp_path / "data.txt.gz").write_bytes(b"\x1f\x8b" + bytes(40))
     with pytest.raises(UserInputError, match=r"data\.txt\.gz' has the suffix '\.gz'; expected one of \['\.csv'"):
         load_corpus(str(tmp_path / "data.txt.gz"))
+
+
+def test_a_file_whose_name_holds_the_source_separator_is_one_source(tmp_path):
+    """`a+b.txt` exists: it is read, not split into the sources 'a' and 'b.txt'."""
+    path = tmp_path / "a+b.txt"
+    path.write_text("\n".join(f"line {i}" for i in range(20)))
+    assert source_names(str(path)) == [str(path)]
+    corpus = load_corpus(str(path))
+    assert len(corpus["train"]) + len(corpus["test"]) == 20
