@@ -147,6 +147,8 @@ def test_no_form_of_the_suite_is_the_calibration_prompt():
             r"prompt of \d+ tokens cannot hold 1 needles with filler between them",
         ),
         (dict(fillers=["shakespeare"], eval_texts=["short text"]), r"needs \d+ filler tokens, more than the"),
+        (dict(variants=["single_number", "single_number"]), r"^variants=\['single_number', 'single_number'\] names"),
+        (dict(lengths=[1000, 1000]), r"^lengths=\[1000, 1000\] names 1000 twice \(its cell would count its prompts"),
         (
             dict(lengths=[1]),
             r"^needle prompt length=1 is not allowed for 'single_number': its answer alone takes \d+ tokens; expected "
@@ -162,6 +164,8 @@ def test_no_form_of_the_suite_is_the_calibration_prompt():
         "beyond-positions",
         "too-short",
         "filler",
+        "repeated-variant",
+        "repeated-length",
         "shorter-than-the-answer",
     ],
 )
