@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import (
     AutoConfig,
@@ -136,9 +137,18 @@ def default_model_and_tokenizer(
     return default_model(dtype, cache_dir=cache_dir), default_tokenizer(cache_dir=cache_dir)
 
 
+#: What transformers raises for files that do not describe a model (`_load_part`).
+_FILE_ERRORS = (ValueError, TypeError, StrictDataclassError)
+#: ... and for a config.json whose dtype names no torch dtype (`"dtype": "float77"`: `torch.float77`).
+_CONFIG_ERRORS = (*_FILE_ERRORS, AttributeError)
+
+
 def _load_part(name: str, part: str, load):
     """`load()`, its failures reported as the user's: a missing folder or Hub id (OSError), or files
-    that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer)."""
+    that do not describe a model (ValueError, TypeError: a wrongly typed config.json field, no tokenizer;
+    StrictDataclassError: fields a config class validates together, such as a hidden size that its heads do
+    not divide)."""
+    errors = _CONFIG_ERRORS if part == "config" else _FILE_ERRORS
     try:
         return load()
     except UserInputError:
@@ -149,7 +159,7 @@ def _load_part(name: str, part: str, load):
             f"{os.environ.get('HF_HUB_OFFLINE', '0')}); pass {DEFAULT_MODEL_ALIAS!r} for the embedded "
             f"{DEFAULT_MODEL_NAME}: {error}"
         ) from error
-    except (ValueError, TypeError) as error:
+    except errors as error:
         raise UserInputError(
             f"Model {name!r}: its {part} could not be loaded ({error}); expected a folder saved with "
             "save_pretrained holding config.json, the weights and the tokenizer files"
@@ -211,7 +221,19 @@ def resolve_model(
     logger.info("Loading model and tokenizer from %s", source)
     model = _load_part(name, "model", lambda: load_causal_lm(name, source, dtype=dtype))
     tokenizer = _load_part(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source))
+    _check_tokenizer_fits(name, model, tokenizer)
     return model, tokenizer
+
+
+def _check_tokenizer_fits(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Every id the tokenizer writes has a row in the model's input embeddings (the embedding would raise
+    an IndexError on the first text that uses one, or a device-side assert on a GPU)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise UserInputError(
+            f"Model {name!r}: its tokenizer has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1}) but the model "
+            f"embeds {rows} (vocab_size={model.config.vocab_size}); expected the tokenizer saved with the model"
+        )
 
 
 def resolve_config(name_or_path: str | os.PathLike) -> PreTrainedConfig:

@@ -19,6 +19,8 @@ def check_at_least(flag: str, value: float | None, minimum: int = 1) -> None:
     if value is not None and not value >= minimum:
         kind = "an int" if isinstance(value, int) else "a number"
         raise UserInputError(f"{flag}={value!r} is not allowed; expected {kind} >= {minimum}")
+    if value is not None and not math.isfinite(value):  # (a weight decay of inf diverges at the first step)
+        raise UserInputError(f"{flag}={value!r} is not allowed; expected a finite number >= {minimum}")
 
 
 def check_positive(flag: str, value: float) -> None:

@@ -58,3 +58,12 @@ KEPT_PATHS = {
 @pytest.mark.parametrize("module,names", KEPT_PATHS.values(), ids=KEPT_PATHS.keys())
 def test_names_offered_elsewhere_are_the_utils_objects(module, names):
     assert [getattr(module, name) for name in names] == [getattr(utils, name) for name in names]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=str)
+def test_check_at_least_refuses_numbers_that_are_not_finite(value):
+    """inf passes `value >= minimum`: a weight decay of inf would diverge at the first step."""
+    with pytest.raises(
+        UserInputError, match=rf"^--weight-decay={value!r} is not allowed; expected a (finite )?number >= 0"
+    ):
+        utils.check_at_least("--weight-decay", value, minimum=0)

@@ -318,6 +318,8 @@ def _check_args(args) -> None:
             raise UserInputError(f"{flag}={getattr(args, name)} is not allowed; expected an int >= 2")
     if any(c < 1 for c in args.contexts):
         raise UserInputError(f"--contexts={args.contexts} is not allowed; expected positive ints")
+    if not args.prompt.strip():
+        raise UserInputError(f"--prompt {args.prompt!r} is empty; expected the text of a chat prompt")
     for flag, values in (("--presets", args.presets), ("--contexts", args.contexts), ("--trained", args.trained)):
         repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
         if repeated is not None:

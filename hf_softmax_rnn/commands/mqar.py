@@ -14,7 +14,7 @@ from hf_softmax_rnn.analysis.mqar_train import DEFAULT_SPECS, MQARRun, plot_resu
 from hf_softmax_rnn.analysis.small_models import check_width
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.data.mqar import MQARConfig
-from hf_softmax_rnn.errors import user_input_checks
+from hf_softmax_rnn.errors import UserInputError, user_input_checks
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, resolve_device, set_threads
 
@@ -42,7 +42,19 @@ def add_arguments(parser) -> None:
 
 
 def _tasks(args) -> list[MQARConfig]:
-    """One task per K, every model width and attention checked first (before anything runs)."""
+    """One task per K, every model width and attention checked first (before anything runs); a value named
+    twice in a list would train and report the same run twice."""
+    for flag, values in (
+        ("--attention", args.attention),
+        ("--d-model", args.d_model),
+        ("--num-kv-pairs", args.num_kv_pairs),
+    ):
+        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+        if repeated is not None:
+            raise UserInputError(
+                f"{flag} names {repeated!r} more than once (its runs would be trained and reported again); name "
+                "each once"
+            )
     for d_model in args.d_model:
         check_width(d_model, args.num_heads)
     with user_input_checks(ValueError, TypeError):

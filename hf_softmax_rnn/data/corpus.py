@@ -12,6 +12,7 @@ sorted topic is held out), so train and test never share a document.
 from __future__ import annotations
 
 import codecs
+import glob
 import logging
 import os
 from pathlib import Path
@@ -47,7 +48,10 @@ SOURCE_SEPARATOR = "+"
 
 
 def source_names(dataset: str | None) -> list[str]:
-    """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two)."""
+    """The sources of a '+'-joined dataset argument, in order ("pydoc+generated" -> two); a file or folder
+    that exists under the whole name (`a+b.txt`) is one source."""
+    if dataset is not None and SOURCE_SEPARATOR in dataset and Path(dataset).exists():
+        return [dataset]
     names = [name.strip() for name in (DEFAULT_CORPUS if dataset is None else dataset).split(SOURCE_SEPARATOR)]
     if not all(names) or len(set(names)) != len(names):
         raise UserInputError(
@@ -119,7 +123,8 @@ def _load(dataset: str, config_name: str | None, streaming: bool) -> DatasetDict
         else:
             for path in data_files:
                 _check_local_file(path)
-            loaded = load_dataset(builder, data_files=data_files, streaming=streaming)
+            # the paths are files found already: escaped, as `datasets` reads data_files as glob patterns
+            loaded = load_dataset(builder, data_files=[glob.escape(path) for path in data_files], streaming=streaming)
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"Dataset {dataset!r} was not found: pass 'pydoc' (offline default), a local .txt/.json/.jsonl/"
@@ -194,10 +199,18 @@ def _check_no_missing_text(rows: Dataset | IterableDataset, text_column: str, da
 
 
 def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
-    """(builder, files) when `dataset` names local files, else (None, None)."""
+    """(builder, files) when `dataset` names local files, else (None, None). A file that exists is itself
+    (`data[1].txt`, not the `data1.txt` its name matches as a glob), and one of another type is refused."""
     path = Path(dataset)
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.suffix in _FILE_BUILDERS)
+    elif path.is_file():
+        if path.suffix not in _FILE_BUILDERS:
+            raise UserInputError(
+                f"Dataset file {dataset!r} has the suffix {path.suffix!r}; expected one of {sorted(_FILE_BUILDERS)} "
+                "(decompress it first)"
+            )
+        files = [dataset]
     elif path.suffix in _FILE_BUILDERS:
         files = sorted(str(p) for p in path.parent.glob(path.name))
         if not files:

@@ -215,7 +215,8 @@ def check_needle_settings(
     seed: int,
     past_max_positions: bool = False,
 ) -> None:
-    """Refuse names outside the suite, counts below 1, and lengths beyond the model's positions."""
+    """Refuse names outside the suite, counts below 1, lengths beyond the model's positions, and a value named
+    twice (its cell would count its prompts twice)."""
     check_names("variant", variants, tuple(VARIANTS))
     check_names("template", templates, tuple(TEMPLATES))
     check_names("filler", fillers, FILLERS)
@@ -223,6 +224,13 @@ def check_needle_settings(
     check_count("seed", seed, minimum=0)
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
         raise UserInputError(f"lengths={lengths!r} is not allowed; expected a non-empty list of ints")
+    for what, values in (("variants", variants), ("templates", templates), ("fillers", fillers), ("lengths", lengths)):
+        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+        if repeated is not None:
+            raise UserInputError(
+                f"{what}={list(values)!r} names {repeated!r} twice (its cell would count its prompts twice); name each "
+                "once"
+            )
     for length in lengths:
         check_count("needle prompt length", length)
         check_within_positions(model, length, "needle prompt length", past_max_positions=past_max_positions)
@@ -268,6 +276,12 @@ def needle_retrieval(
                 for length in lengths:
                     rng = random.Random(f"{seed}/{variant}/{template}/{kind}/{length}")
                     room = length - VARIANTS[variant].answer_tokens
+                    if room < 1:
+                        raise UserInputError(
+                            f"needle prompt length={length} is not allowed for {variant!r}: its answer alone takes "
+                            f"{VARIANTS[variant].answer_tokens} tokens; expected a length above that, with room for "
+                            "the frame, the needles and filler"
+                        )
                     stream = streams[kind]
                     for _ in range(prompts):
                         offset = rng.randrange(0, max(1, len(stream) - room + 1))

@@ -114,6 +114,7 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
     inputs = {**dict(zip(model._forward_argument_names, args, strict=False)), **kwargs}
     model._refuse_attention_weights(inputs.get("output_attentions"))
     check_token_ids(inputs.get("input_ids"), model.config.vocab_size)
+    check_labels(inputs.get("labels"), inputs, model.config.vocab_size)
     attention_mask = inputs.get("attention_mask")
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         check_padding_mask(attention_mask)
@@ -151,24 +152,50 @@ def check_some_tokens(inputs: dict) -> None:
             )
 
 
-def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
-    """Token ids are integers in [0, vocab_size): a float tensor or an id outside raises, naming it
-    (the embedding would raise an IndexError from deep inside, or fail on the device). Reads the
-    values (one reduction) only outside torch.compile and CUDA-graph capture."""
+def check_token_ids(
+    input_ids: torch.Tensor | None, vocab_size: int, name: str = "input_ids", ignored: int | None = None
+) -> None:
+    """Token ids are integers in [0, vocab_size) (or `ignored`, the loss's ignore index, for labels): a float
+    tensor or an id outside raises, naming it (the embedding or the loss would raise an IndexError from deep
+    inside, or fail on the device). Reads the values (one reduction) only outside torch.compile and CUDA-graph
+    capture."""
     if not isinstance(input_ids, torch.Tensor):
         return
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected integer token ids (torch.long)")
+        raise TypeError(f"{name} has dtype {input_ids.dtype}; expected integer token ids (torch.long)")
     if input_ids.numel() == 0 or input_ids.device.type == "meta" or is_torchdynamo_compiling():
         return
     if import_utils.is_cuda_stream_capturing():  # a CUDA graph cannot read values
         return
     outside = (input_ids < 0) | (input_ids >= vocab_size)
+    if ignored is not None:
+        outside &= input_ids != ignored
     if bool(outside.any()):
+        also = "" if ignored is None else f" or {ignored} (not scored)"
         raise ValueError(
-            f"input_ids holds {input_ids[outside][0].item()}, outside the vocabulary: expected ids in "
-            f"0..{vocab_size - 1} (config.vocab_size={vocab_size})"
+            f"{name} holds {input_ids[outside][0].item()}, outside the vocabulary: expected ids in "
+            f"0..{vocab_size - 1}{also} (config.vocab_size={vocab_size})"
         )
+
+
+#: The label of a position the loss skips (transformers' `ignore_index`).
+IGNORED_LABEL = -100
+
+
+def check_labels(labels: torch.Tensor | None, inputs: dict, vocab_size: int) -> None:
+    """`labels` hold a token id in the vocabulary or -100 per input position, in the inputs' shape (the
+    model shifts them itself): another shape or an id outside raises, naming it (the loss would raise an
+    IndexError on a CPU and a device-side assert on a GPU)."""
+    if not isinstance(labels, torch.Tensor):
+        return
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tuple(labels.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(
+            f"labels has shape {list(labels.shape)} for inputs of {list(tokens.shape[:2])} positions; expected the "
+            "same shape (one label per input position: the model shifts them itself)"
+        )
+    check_token_ids(labels, vocab_size, "labels", IGNORED_LABEL)
 
 
 def check_mask_shape(attention_mask: torch.Tensor, batch: int, length: int) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.checks import INPUT_DTYPES, check_arguments, check_inputs, check_state
+from hf_softmax_rnn.ops.decay import MIN_LOG_DECAY
 from hf_softmax_rnn.ops.delta import parallel_delta_values
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
@@ -97,7 +98,8 @@ def attention(
             supported); its last Lk (parallel) or L (chunked/recurrent) columns are used.
         gates: {"output": `[B, H, L]`} sigmoid gate values, when the spec has an output gate;
             {"decay": `[B, Hkv, Lk]`} log-decays <= 0 of the finite state (`ops.decay`), when the spec
-            has a decay (padding positions are set to 0 here: they never decay the state);
+            has a decay (padding positions are set to 0 here: they never decay the state; values below
+            `ops.decay.MIN_LOG_DECAY`, -inf included, are raised to it: the state is forgotten there);
             {"delta": `[B, Hkv, Lk]`} write strengths in [0, 1] of a delta-rule state (`ops.delta`), one
             per step (with a window, the step at which a key enters the state), when the spec has one.
         state: the `RecurrentState` from the previous call (chunked/recurrent), None = empty.
@@ -162,8 +164,10 @@ def attention(
         hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
     log_decay = gates.get("decay")
-    if log_decay is not None and attention_mask is not None:  # (without a mask no position is padding)
-        log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
+    if log_decay is not None:
+        if attention_mask is not None:  # (without a mask no position is padding)
+            log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
+        log_decay = log_decay.clamp_min(MIN_LOG_DECAY)
     strength = gates.get("delta")
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None

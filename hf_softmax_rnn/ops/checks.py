@@ -132,12 +132,39 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
     _check_gates(gates, q, k, spec)
+    _check_params(params, q, v, spec)
+    if spec.effective_feature_map == "hedgehog":
+        _check_hedgehog_maps(params, q, k, spec)
+
+
+def _check_params(params, q: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> None:
+    """The per-head tensors the spec reads are given, and each one given is a floating tensor on q's device of
+    its shape for these inputs (`[H, Dv]` norms, `[H]` others): a shape that broadcasts would mix heads."""
     if spec.window is not None and spec.has_finite_state and params.linear_log_scale is None:
         raise ValueError(
             f"{spec.describe()} needs params.linear_log_scale [H] (the weight of the part beyond the window)"
         )
-    if spec.effective_feature_map == "hedgehog":
-        _check_hedgehog_maps(params, q, k, spec)
+    if spec.normalizer == "seqlen_pow" and params.seqlen_power is None:
+        raise ValueError(f"{spec.describe()} needs params.seqlen_power [H] (the logit of each head's exponent)")
+    heads, value_dim = q.shape[1], v.shape[-1]
+    shapes = {
+        "norm_weight": (heads, value_dim),
+        "norm_bias": (heads, value_dim),
+        "seqlen_power": (heads,),
+        "linear_log_scale": (heads,),
+    }
+    for name, shape in shapes.items():
+        tensor = getattr(params, name)
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.device != q.device:
+            got = f"a {tensor.dtype} tensor on {tensor.device}" if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise TypeError(f"attention: params.{name} must be a real floating tensor on {q.device}; got {got}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"attention: params.{name} has shape {tuple(tensor.shape)}; expected {list(shape)} (one per query "
+                f"head{', by value dimension' if len(shape) == 2 else ''}) for these inputs"
+            )
 
 
 def _check_hedgehog_maps(params, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> None:

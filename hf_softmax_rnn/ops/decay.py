@@ -29,6 +29,11 @@ from torch.utils.checkpoint import checkpoint
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import FeatureKernel
 
+#: Smallest log-decay the forms read: a_r = e^-80 = 1.8e-35 already lets no state through, and every form
+#: sums log-decays (a prefix sum over the chunk or the sequence), where a value of -inf gives inf - inf = NaN
+#: and one of -1e30 leaves no precision to the sums of the other positions; `attention` raises lower ones to it.
+MIN_LOG_DECAY = -80.0
+
 
 def decay_weights(
     log_decay: torch.Tensor, query_len: int, shift: int, entry: torch.Tensor | None = None

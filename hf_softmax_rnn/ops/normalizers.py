@@ -28,19 +28,31 @@ def _over(n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return n * torch.reciprocal(g).unsqueeze(-1)
 
 
+def _unit_rows(n: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n / s, eps / s^2) with s the largest |n| of each row (1 for a row of zeros): the norms below square
+    n / s, whose entries are at most 1, so that a row of numerators beyond 1e19 (a window hybrid's finite part
+    under its capped weight, float32) cannot overflow its square. s is detached: n * rsqrt(|n|^2 + eps) is
+    the same function of n for every s > 0."""
+    scale = n.detach().abs().amax(-1, keepdim=True)
+    scale = scale.masked_fill(scale == 0, 1.0)
+    return n / scale, eps / scale.pow(2)
+
+
 def _l2(n: torch.Tensor, eps: float) -> torch.Tensor:
-    return n * torch.rsqrt(n.pow(2).sum(-1, keepdim=True) + eps)
+    unit, unit_eps = _unit_rows(n, eps)
+    return unit * torch.rsqrt(unit.pow(2).sum(-1, keepdim=True) + unit_eps)
 
 
 def _rms(n: torch.Tensor, eps: float, params: AttentionParams) -> torch.Tensor:
-    out = n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + eps)
+    unit, unit_eps = _unit_rows(n, eps)
+    out = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + unit_eps)
     weight = params.norm_weight
     return out if weight is None else out * weight[:, None, :].to(out.dtype)
 
 
 def _layer(n: torch.Tensor, eps: float, params: AttentionParams) -> torch.Tensor:
-    centred = n - n.mean(-1, keepdim=True)
-    out = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    unit, unit_eps = _unit_rows(n - n.mean(-1, keepdim=True), eps)
+    out = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + unit_eps)
     weight, bias = params.norm_weight, params.norm_bias
     if weight is not None:
         out = out * weight[:, None, :].to(out.dtype)

@@ -124,11 +124,23 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
 def _check_at_least(name: str, value: float, minimum: float = 1) -> None:
     if not value >= minimum:
         raise UserInputError(f"{name}={value!r} is not allowed; expected a number >= {minimum}")
+    if not math.isfinite(value):  # (a weight decay or loss weight of inf diverges at the first step)
+        raise UserInputError(f"{name}={value!r} is not allowed; expected a finite number >= {minimum}")
 
 
 def _check_positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise UserInputError(f"{name}={value!r} is not allowed; expected a number > 0")
+
+
+def _is_utf8(value: str) -> bool:
+    """`value` encodes as UTF-8: a command-line path of other bytes arrives with surrogate escapes, which
+    only the file system accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _flag(name: str) -> str:
@@ -510,6 +522,11 @@ class FinetuneConfig:
         for name, value in self.to_dict().items():
             if isinstance(value, str) and "\0" in value:
                 raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
+            if isinstance(value, str) and not _is_utf8(value):
+                raise UserInputError(
+                    f"{_flag(name)} {value!r} holds bytes that are not UTF-8 (the escapes above), which TensorBoard, "
+                    "the model card and the Hub cannot write; expected a UTF-8 path or name"
+                )
             if isinstance(value, str) and not value.strip():
                 raise UserInputError(f"{_flag(name)} {value!r} is empty; expected a name or a path")
         self._take_a_converted_models_attention()

@@ -489,6 +489,7 @@ class Finetuner:
             self.state.evaluations[BEFORE_CONVERSION] = self.evaluate(
                 self.base_model.to(self.accelerator.device), BEFORE_CONVERSION
             )
+            self._check_base_loss(self.state.evaluations[BEFORE_CONVERSION]["eval_loss"])
         if self.long_context is not None:
             self.long_context.measure(
                 ORIGINAL, self.base_model.to(self.accelerator.device), progress=self._show_progress
@@ -612,6 +613,18 @@ class Finetuner:
         stage.teardown(unwrapped)
         accelerator.free_memory()
         return unwrapped
+
+    def _check_base_loss(self, loss: float) -> None:
+        """The model before conversion scores the held-out blocks with a finite loss; NaN or inf there comes
+        from its weights or its config (a negative rope_theta), not from training, which would report it as a
+        divergence at step 1 and advise a lower learning rate."""
+        if not math.isfinite(loss):
+            name = self.config.teacher or self.config.model
+            raise UserInputError(
+                f"Model {name!r} scores the held-out data with a loss of {loss} before any training: its weights "
+                "hold non-finite values or its config.json settings make its outputs so (rope_theta, norm eps, ...); "
+                "expected a model whose logits are finite (nothing was trained, no model was written)"
+            )
 
     def _stop_if_diverged(
         self, stage: Stage, step: int, values: dict[str, float], model: nn.Module | None = None

@@ -144,6 +144,7 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
         (["--eval-window", "65"], "--eval-window=65 is more than the model's max_position_embeddings=64"),
         (["--presets", "softmax", "linear_elu", "softmax"], "--presets names 'softmax' more than once"),
         (["--contexts", "8", "8"], "--contexts names '8' more than once"),
+        (["--prompt", " "], "--prompt ' ' is empty; expected the text of a chat prompt"),
     ],
     ids=[
         "unknown-preset",
@@ -152,6 +153,7 @@ def test_recurrent_state_bytes_do_not_grow(demo_results):
         "window-too-long",
         "repeated-preset",
         "repeated-context",
+        "blank-prompt",
     ],
 )
 def test_demo_rejects_bad_arguments(tiny_llama_dir, extra, message, capsys, monkeypatch):

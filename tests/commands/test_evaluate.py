@@ -6,7 +6,8 @@ import re
 import shutil
 
 import pytest
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.commands.evaluate import original_of
@@ -234,6 +235,16 @@ def test_a_model_name_that_names_no_model_stops_before_any_model_loads(saved, tm
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def _with_swapped_ids(tok: PreTrainedTokenizerFast, first: str, second: str) -> PreTrainedTokenizerFast:
+    """`tok` with the ids of two tokens exchanged."""
+    state = json.loads(tok.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)), eos_token=tok.eos_token, pad_token=tok.pad_token
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [("vocabulary", "the model scores 257 tokens and the reference 300"), ("tokenizer", "the tokenizers of")],
@@ -245,7 +256,7 @@ def test_fidelity_refuses_an_original_of_another_vocabulary(saved, tmp_path, cap
         other = type(tiny_llama())(type(tiny_llama().config)(**{**LLAMA_KWARGS, "vocab_size": 300}))
     else:
         other = tiny_llama()
-        tok.add_tokens(["<extra>"])
+        tok = _with_swapped_ids(tok, "a", "b")  # as many ids, another mapping
     other.save_pretrained(tmp_path / "other")
     tok.save_pretrained(tmp_path / "other")
     argv = ["evaluate", "--model", saved["converted"], "--original", str(tmp_path / "other"), "--texts", saved["texts"]]

@@ -73,6 +73,12 @@ BAD_ARGUMENTS = {
     "zero-lr": (["--lr", "0"], r"--lr=0\.0 is not allowed; expected a number > 0"),
     "zero-threads": (["--threads", "0"], r"--threads=0 is not allowed; expected an int >= 1"),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
+    "repeated-width": ([*TINY, "--d-model", "16", "32", "16"], r"--d-model names 16 more than once"),
+    "repeated-attention": (
+        [*TINY, "--attention", "linear_elu", "linear_elu"],
+        r"--attention names 'linear_elu' more than once",
+    ),
+    "repeated-pairs": ([*TINY, "--num-kv-pairs", "2", "2"], r"--num-kv-pairs names 2 more than once"),
     "negative-seed": ([*TINY, "--seed", "-1"], r"--seed=-1 is not allowed; expected an int from 0 to 2\*\*32 - 1"),
     "seed-past-2**32": (
         [*TINY, "--seed", str(2**32)],

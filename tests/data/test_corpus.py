@@ -123,3 +123,27 @@ def test_an_empty_dataset_name_is_refused_not_read_as_the_default_or_the_current
         load_corpus(dataset)
     with pytest.raises(UserInputError, match=rf"^dataset={dataset!r} is not allowed; expected sources joined by"):
         source_names(dataset)
+
+
+def test_a_file_whose_name_is_a_glob_pattern_is_read_itself(tmp_path):
+    """`data[1].txt` exists: it is read, not `data1.txt`, which its name matches as a glob."""
+    (tmp_path / "data[1].txt").write_text("\n".join(f"bracketed line {i}" for i in range(20)))
+    (tmp_path / "data1.txt").write_text("\n".join(f"plain line {i}" for i in range(20)))
+    corpus = load_corpus(str(tmp_path / "data[1].txt"))
+    texts = [*corpus["train"]["text"], *corpus["test"]["text"]]
+    assert sorted(texts) == sorted(f"bracketed line {i}" for i in range(20))
+
+
+def test_a_file_of_another_type_is_refused_naming_its_suffix(tmp_path):
+    (tmp_path / "data.txt.gz").write_bytes(b"\x1f\x8b" + bytes(40))
+    with pytest.raises(UserInputError, match=r"data\.txt\.gz' has the suffix '\.gz'; expected one of \['\.csv'"):
+        load_corpus(str(tmp_path / "data.txt.gz"))
+
+
+def test_a_file_whose_name_holds_the_source_separator_is_one_source(tmp_path):
+    """`a+b.txt` exists: it is read, not split into the sources 'a' and 'b.txt'."""
+    path = tmp_path / "a+b.txt"
+    path.write_text("\n".join(f"line {i}" for i in range(20)))
+    assert source_names(str(path)) == [str(path)]
+    corpus = load_corpus(str(path))
+    assert len(corpus["train"]) + len(corpus["test"]) == 20

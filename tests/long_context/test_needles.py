@@ -147,8 +147,27 @@ def test_no_form_of_the_suite_is_the_calibration_prompt():
             r"prompt of \d+ tokens cannot hold 1 needles with filler between them",
         ),
         (dict(fillers=["shakespeare"], eval_texts=["short text"]), r"needs \d+ filler tokens, more than the"),
+        (dict(variants=["single_number", "single_number"]), r"^variants=\['single_number', 'single_number'\] names"),
+        (dict(lengths=[1000, 1000]), r"^lengths=\[1000, 1000\] names 1000 twice \(its cell would count its prompts"),
+        (
+            dict(lengths=[1]),
+            r"^needle prompt length=1 is not allowed for 'single_number': its answer alone takes \d+ tokens; expected "
+            r"a length above that",
+        ),
     ],
-    ids=["variant", "template", "filler", "no-variants", "no-prompts", "beyond-positions", "too-short", "filler"],
+    ids=[
+        "variant",
+        "template",
+        "filler",
+        "no-variants",
+        "no-prompts",
+        "beyond-positions",
+        "too-short",
+        "filler",
+        "repeated-variant",
+        "repeated-length",
+        "shorter-than-the-answer",
+    ],
 )
 def test_bad_settings_are_refused_before_any_prompt_is_answered(tok, settings, message):
     model = StubModel(tok, positions=4096)

@@ -336,3 +336,37 @@ def test_a_block_within_the_exact_part_is_the_stock_model_and_every_rnn_param_ge
     longer, longer_mask = left_padded_batch(lengths=(9, 5))
     difference = logits(model.eval(), longer, longer_mask)[0, -1] - logits(source, longer, longer_mask)[0, -1]
     assert difference.abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (
+            lambda ids: ids.masked_fill(ids == ids[0, 3], VOCAB + 7),
+            rf"labels holds {VOCAB + 7}, outside the vocabulary",
+        ),
+        (lambda ids: ids.masked_fill(ids == ids[0, 3], -1), r"labels holds -1, outside the vocabulary: .* or -100"),
+        (lambda ids: ids[:, :5], r"labels has shape \[2, 5\] for inputs of \[2, 10\] positions"),
+        (lambda ids: ids.float(), "labels has dtype torch.float32; expected integer token ids"),
+    ],
+    ids=["beyond-vocabulary", "negative", "short", "float"],
+)
+def test_labels_outside_the_vocabulary_or_of_another_shape_are_refused(family, labels, message):
+    """The loss would raise an IndexError on a CPU (a device-side assert on a GPU) or a batch-size mismatch."""
+    model = tiny_model(family, "linear_elu")
+    ids, _ = left_padded_batch()
+    with pytest.raises((ValueError, TypeError), match=message):
+        model(ids, labels=labels(ids))
+
+
+def test_labels_of_minus_100_are_not_scored(family):
+    """-100 (transformers' ignore index) is a label the loss skips: the mean over the other positions."""
+    model = tiny_model(family, "linear_elu")
+    ids, _ = left_padded_batch()
+    labels = ids.clone()
+    labels[:, :4] = -100
+    logits = model(ids).logits[:, :-1]
+    targets = labels[:, 1:]
+    kept = targets != -100
+    expected = torch.nn.functional.cross_entropy(logits[kept].float(), targets[kept])
+    torch.testing.assert_close(model(ids, labels=labels).loss, expected)

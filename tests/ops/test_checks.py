@@ -75,6 +75,8 @@ def test_hedgehog_needs_its_weights():
 
 ELU = AttentionSpec.from_preset("linear_elu")
 GATED_ELU = AttentionSpec.from_preset("linear_elu", output_gate=True)
+WINDOW_ELU = AttentionSpec.from_preset("linear_elu", window=2)
+RMS_ELU = AttentionSpec(kind="linear", feature_map="elu", normalizer="rms")
 
 
 def _modified(name):
@@ -117,6 +119,17 @@ def _modified(name):
         "no_sequences_chunked": dict(q=q[:0], k=k[:0], v=v[:0], mode="chunked"),
         "return_state_string": dict(mode="chunked", return_state="no"),
         "update_state_in_place_int": dict(mode="recurrent", update_state_in_place=1),
+        "log_scale_of_one_head": dict(
+            spec=WINDOW_ELU, params=AttentionParams(linear_log_scale=torch.zeros(1, dtype=torch.float64))
+        ),
+        "norm_weight_one_wider": dict(
+            spec=RMS_ELU, params=AttentionParams(norm_weight=torch.ones(4, 9, dtype=torch.float64))
+        ),
+        "norm_weight_of_one_head": dict(
+            spec=RMS_ELU, params=AttentionParams(norm_weight=torch.ones(1, 8, dtype=torch.float64))
+        ),
+        "norm_weight_on_meta": dict(spec=RMS_ELU, params=AttentionParams(norm_weight=torch.ones(4, 8, device="meta"))),
+        "seqlen_pow_without_power": dict(spec=AttentionSpec(kind="linear", feature_map="elu", normalizer="seqlen_pow")),
         "hedgehog_maps_of_another_head_size": dict(
             spec=AttentionSpec.from_preset("linear_hedgehog"),
             params=AttentionParams(hedgehog_q=torch.zeros(4, 16, 16), hedgehog_k=torch.zeros(2, 16, 16)),
@@ -133,6 +146,19 @@ _BAD_ARGUMENTS = [
     ("no_sequences_chunked", ValueError, r"have 0 sequences, 4 query heads.*expected at least 1 of each"),
     ("return_state_string", TypeError, r"return_state='no' is not allowed; expected True or False"),
     ("update_state_in_place_int", TypeError, r"update_state_in_place=1 is not allowed; expected True or False"),
+    (
+        "log_scale_of_one_head",
+        ValueError,
+        r"params.linear_log_scale has shape \(1,\); expected \[4\] \(one per query head\)",
+    ),
+    (
+        "norm_weight_one_wider",
+        ValueError,
+        r"params.norm_weight has shape \(4, 9\); expected \[4, 8\] \(one per query head, by",
+    ),
+    ("norm_weight_of_one_head", ValueError, r"params.norm_weight has shape \(1, 8\); expected \[4, 8\]"),
+    ("norm_weight_on_meta", TypeError, r"params.norm_weight must be a real floating tensor on cpu; got .* on meta"),
+    ("seqlen_pow_without_power", ValueError, r"seqlen_pow normaliser needs params.seqlen_power \[H\]"),
     (
         "hedgehog_maps_of_another_head_size",
         ValueError,

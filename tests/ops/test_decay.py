@@ -35,6 +35,23 @@ def test_modes_match_the_definition(name, mode):
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_log_decays_of_minus_inf_or_minus_1e30_forget_the_state(name, mode):
+    """a_r = 0 (log-decay -inf) or e^-1e30: the state is forgotten there, as the definition says; the prefix
+    sums of the log-decays gave NaN (inf - inf) or, at -1e30, kept no precision for the other positions."""
+    spec = SPECS[name]
+    q, k, v, gate_logits = make_inputs(length=10)
+    params = as_params(make_params(spec))
+    log_decay = F.logsigmoid(gate_logits["decay"] + 1.0)
+    log_decay[0, :, 4] = float("-inf")
+    log_decay[1, :, 6] = -1e30
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    got, _ = attention(q, k, v, spec, mode=mode, params=params, gates={"decay": log_decay})
+    want = naive_window_attention(q, k, v, spec, params, mask, 8**-0.5, log_decay)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_zero_log_decay_is_the_spec_without_decay(name):
     spec = SPECS[name]
     undecayed = AttentionSpec(**{**spec.to_dict(), "decay": False})

@@ -65,3 +65,19 @@ def test_exp_without_norm_or_clamp_overflows_in_bf16():
     q, k, v, _ = make_inputs(length=6, dtype=torch.float32)
     out, _ = attention(60 * q, 60 * k, v, spec)
     assert not torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked"])
+@pytest.mark.parametrize("normalizer", [name for name in ROW_SCALE_INVARIANT_NORMALIZERS if name != "softmax"])
+def test_norms_of_a_window_hybrid_do_not_overflow_in_float32(normalizer, mode):
+    """Where every score in the window is far below lambda, the finite part's weight is capped at
+    e^MAX_MIX_EXPONENT and its numerators exceed 1e19, whose squares overflow float32: the norms square them
+    divided by the row's largest entry, so float32 matches float64 on the same inputs (the rows were zeros)."""
+    spec = AttentionSpec(kind="recurrent_softmax", taylor_order=2, normalizer=normalizer, window=4)
+    q, k, v, _ = make_inputs(length=30, dtype=torch.float32)
+    q, k = 10 * q, 10 * k
+    params = make_params(spec, dtype=torch.float32)
+    out, _ = attention(q, k, v, spec, mode=mode, params=as_params(params))
+    wide = as_params({name: p.double() for name, p in params.items()})
+    reference, _ = attention(q.double(), k.double(), v.double(), spec, mode=mode, params=wide)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-4)

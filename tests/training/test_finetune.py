@@ -443,3 +443,29 @@ def test_layers_whose_exact_part_holds_a_training_block_are_named_and_their_stat
     maps = [p for name, p in finetuner.converted.named_parameters() if name.endswith("hedgehog_q")]
     moved = max((p.detach() - torch.eye(p.shape[1], p.shape[2])).abs().max().item() for p in maps)
     assert (moved == 0) == logged
+
+
+def test_a_model_whose_loss_is_nan_before_training_is_named_not_reported_as_divergence(tiny_models, tmp_path, capsys):
+    """A weight of NaN (or a config that makes the logits so) gives a held-out loss of nan before any step: the
+    run stops there with exit status 2, naming the model, not at step 1 with advice to lower the learning rate."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    arguments = ["finetune", "--output-dir", str(out), "--model", str(model), "--block-size", "16", "--batch-size", "2"]
+    arguments += ["--max-eval-blocks", "4", "--transfer-steps", "2", "--finetune-steps", "2", "--no-progress"]
+    assert main([*arguments, "--attention", "softmax_divS_norm"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(
+        rf"^hf-softmax-rnn finetune: error: Model '{re.escape(str(model))}' scores the held-out data with a loss of "
+        r"nan before any training: its weights hold non-finite values",
+        error,
+        re.MULTILINE,
+    ), error
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoints").exists()

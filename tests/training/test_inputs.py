@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import random
 import re
 import shutil
@@ -10,7 +11,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
@@ -319,12 +320,24 @@ BAD_SETTINGS = {
         dict(dataset="data\0.txt"),
         r"--dataset 'data\\x00\.txt' holds a NUL byte, which no path or name can hold",
     ),
+    "non-utf8-bytes-in-a-path": (
+        dict(output_dir=os.fsdecode(b"out\xff\xfe")),
+        r"^--output-dir 'out\\udcff\\udcfe' holds bytes that are not UTF-8 \(the escapes above\), which TensorBoard",
+    ),
     "empty-output-dir": (dict(output_dir=""), r"^--output-dir '' is empty; expected a name or a path"),
     "blank-dataset": (dict(dataset=" "), r"^--dataset ' ' is empty; expected a name or a path"),
     "empty-model": (dict(model=""), r"^--model '' is empty; expected a name or a path"),
     "text-column-for-generated": (
         dict(dataset="pydoc+generated", text_column="body"),
         r"--text-column 'body' does not apply to --dataset 'pydoc\+generated'",
+    ),
+    "infinite-weight-decay": (
+        dict(weight_decay=float("inf")),
+        r"^weight_decay=inf is not allowed; expected a finite number >= 0",
+    ),
+    "infinite-transfer-lm-weight": (
+        dict(transfer_lm_weight=float("inf")),
+        r"^transfer_lm_weight=inf is not allowed; expected a finite number >= 0",
     ),
 }
 
@@ -551,6 +564,17 @@ def _truncated_weights(folder):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
+def _embeddings_of(rows: int):
+    """A damage: the model saved again with `rows` token embeddings, fewer than its tokenizer's ids."""
+
+    def damage(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        model.resize_token_embeddings(rows)
+        model.save_pretrained(folder)
+
+    return damage
+
+
 def _random_weights(folder):
     (folder / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
 
@@ -574,6 +598,20 @@ BROKEN_MODEL_FOLDERS = {
         r"its model could not be loaded \(AttentionSpec\.input_gate='false' has type str",
     ),
     "no-tokenizer": (_without_tokenizer, r"its tokenizer could not be loaded"),
+    "dtype-that-torch-lacks": (
+        _config_says(dtype="float77", torch_dtype="float77"),
+        r"its config could not be loaded \(module 'torch' has no attribute 'float77'\)",
+    ),
+    "tokenizer-beyond-the-embeddings": (
+        _embeddings_of(64),
+        r"its tokenizer has 128 tokens \(ids 0\.\.127\) but the model embeds 64 \(vocab_size=64\); expected the "
+        r"tokenizer saved with the model",
+    ),
+    "heads-that-do-not-divide-the-hidden-size": (
+        _config_says(num_attention_heads=3, num_key_value_heads=3),
+        r"its config could not be loaded \(.*The hidden size \(32\) is not a multiple of the number of attention "
+        r"heads \(3\)",
+    ),
     "config-with-a-layer-the-weights-lack": (
         _config_says(num_hidden_layers=3),
         r"its weights do not fit the model its config\.json describes \(num_hidden_layers=3, .*\): 9 weights it needs "
