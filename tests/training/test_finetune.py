@@ -327,8 +327,8 @@ def test_gradient_checkpointing_recomputes_each_layer_and_trains_the_same_weight
     (plain_calls, plain), (checkpointed_calls, checkpointed) = runs[False], runs[True]
     assert checkpointed_calls == 2 * plain_calls > 0
     assert checkpointed.keys() == plain.keys()
-    for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+    for name in plain:  # float32 round-off of the recomputed forward, through 6 Adam steps at lr 1e-2: ~2e-6
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_retrieval_layers_keep_more_positions_in_the_layers_that_copy_the_key(tmp_path):
