@@ -31,6 +31,8 @@ TEXT_COLUMN = "text"
 _FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 #: Bytes of each local text-format file checked for UTF-8 before `datasets` reads it.
 _SNIFF_BYTES = 1 << 16
+#: Suffixes of compressed files, which are named as such when given as a dataset file.
+_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 
 
 def pydoc_corpus(test_every: int = 10) -> DatasetDict:
@@ -206,9 +208,10 @@ def _local_files(dataset: str) -> tuple[str | None, list[str] | None]:
         files = sorted(str(p) for p in path.rglob("*") if p.suffix in _FILE_BUILDERS)
     elif path.is_file():
         if path.suffix not in _FILE_BUILDERS:
+            compressed = " (decompress it first)" if path.suffix in _COMPRESSED_SUFFIXES else ""
             raise UserInputError(
-                f"Dataset file {dataset!r} has the suffix {path.suffix!r}; expected one of {sorted(_FILE_BUILDERS)} "
-                "(decompress it first)"
+                f"Dataset file {dataset!r} has the suffix {path.suffix!r}; expected one of {sorted(_FILE_BUILDERS)}"
+                + compressed
             )
         files = [dataset]
     elif path.suffix in _FILE_BUILDERS:

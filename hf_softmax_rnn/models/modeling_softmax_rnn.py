@@ -157,8 +157,8 @@ def check_token_ids(
 ) -> None:
     """Token ids are integers in [0, vocab_size) (or `ignored`, the loss's ignore index, for labels): a float
     tensor or an id outside raises, naming it (the embedding or the loss would raise an IndexError from deep
-    inside, or fail on the device). Reads the values (one reduction) only outside torch.compile and CUDA-graph
-    capture."""
+    inside, or fail on the device). Reads the values (their least and largest, then which one is outside only
+    when one may be) only outside torch.compile and CUDA-graph capture."""
     if not isinstance(input_ids, torch.Tensor):
         return
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -166,6 +166,9 @@ def check_token_ids(
     if input_ids.numel() == 0 or input_ids.device.type == "meta" or is_torchdynamo_compiling():
         return
     if import_utils.is_cuda_stream_capturing():  # a CUDA graph cannot read values
+        return
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read of two numbers
+    if low >= 0 and high < vocab_size:
         return
     outside = (input_ids < 0) | (input_ids >= vocab_size)
     if ignored is not None:

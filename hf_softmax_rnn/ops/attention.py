@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
@@ -240,11 +239,8 @@ def attention(
                 sinks=spec.sinks,
                 kept=spec.kept,
             )
-        if attention_mask is None:
-            augmented_v = F.pad(v, (0, 1), value=1.0)
-        else:
-            weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
-            augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already)
+        weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
+        augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already; F.pad's backward writes more)
         augmented, new_state = _finite_state(
             grouped_q,
             k,

@@ -136,8 +136,13 @@ def test_a_file_whose_name_is_a_glob_pattern_is_read_itself(tmp_path):
 
 def test_a_file_of_another_type_is_refused_naming_its_suffix(tmp_path):
     (tmp_path / "data.txt.gz").write_bytes(b"\x1f\x8b" + bytes(40))
-    with pytest.raises(UserInputError, match=r"data\.txt\.gz' has the suffix '\.gz'; expected one of \['\.csv'"):
+    with pytest.raises(
+        UserInputError, match=r"data\.txt\.gz' has the suffix '\.gz'; expected one of \['\.csv'.*\] \(decompress"
+    ):
         load_corpus(str(tmp_path / "data.txt.gz"))
+    (tmp_path / "notes.md").write_text("# notes\n")
+    with pytest.raises(UserInputError, match=r"notes\.md' has the suffix '\.md'; expected one of \[.*'\.txt'\]$"):
+        load_corpus(str(tmp_path / "notes.md"))
 
 
 def test_a_file_whose_name_holds_the_source_separator_is_one_source(tmp_path):

@@ -80,8 +80,8 @@ def test_texts_with_nothing_to_read_are_refused_naming_the_source(tmp_path, file
 
 def test_a_source_of_no_readable_kind_is_named_with_what_evaluation_texts_may_be(tmp_path):
     (tmp_path / "play.md").write_text("# A play\n")
-    expected = r"'.*play\.md' were not found: expected 'shakespeare' \(offline default\), a local \.txt file"
-    with pytest.raises(FileNotFoundError, match=expected) as info:
+    expected = r"'.*play\.md' are a file of type '\.md'; expected 'shakespeare' \(offline default\), a local \.txt file"
+    with pytest.raises(UserInputError, match=expected) as info:
         load_eval_texts(str(tmp_path / "play.md"))
     assert "pydoc" not in str(info.value)
 

@@ -64,9 +64,15 @@ FAMILY_RUNS = {
         "full",
         ["q_proj", "k_proj"],
     ),
-    "gemma2-lora": (
+    "gemma2-sliding-layer-lora": (
         Gemma2ForCausalLM,
-        Gemma2Config(**FAMILY_SHAPE, head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
+        Gemma2Config(
+            **FAMILY_SHAPE,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            attn_logit_softcapping=None,
+        ),
         "lora",
         ["q_proj", "k_proj"],
     ),

@@ -11,7 +11,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
@@ -19,7 +19,6 @@ from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
 from hf_softmax_rnn.training import trainer as trainer_module
-from tests.models.helpers import LLAMA_SHAPE
 from tests.training.helpers import MAX_POSITIONS, tiny_config
 
 BAD_RUNS = {
@@ -118,11 +117,6 @@ BEFORE_LOADING |= {
         r"'qwen2', 'qwen3', 'qwen3_moe', 'smollm3'\] .*; "
         r"got model_type 'gpt_neox' \(GPTNeoXForCausalLM\)",
     ),
-    "sliding-window": (
-        dict(model="mistral"),
-        UserInputError,
-        r"cannot keep the sliding window of this mistral model: layers all attend to the last sliding_window=4096",
-    ),
 }
 
 
@@ -138,8 +132,7 @@ def test_settings_against_the_models_config_stop_before_its_weights_and_the_data
 
     monkeypatch.setattr(trainer_module, "resolve_model", loaded)
     monkeypatch.setattr(trainer_module, "load_corpus", loaded)
-    models = dict(tiny_models, mistral=str(tmp_path / "mistral"), gpt_neox=str(tmp_path / "gpt_neox"))
-    MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, head_dim=8)).save_pretrained(models["mistral"])
+    models = dict(tiny_models, gpt_neox=str(tmp_path / "gpt_neox"))
     GPTNeoXForCausalLM(
         GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
     ).save_pretrained(models["gpt_neox"])
