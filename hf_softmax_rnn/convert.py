@@ -103,13 +103,6 @@ def check_convertible(config: PreTrainedConfig) -> None:
         )
 
 
-def _sliding_layers(config: PreTrainedConfig) -> list[int]:
-    """The layers of a source model that attend to its last `sliding_window` positions only."""
-    if config.model_type in {family.config_class.model_type for family in LLAMA_LIKE_FAMILIES}:
-        return sliding_window_layers(config)
-    return []
-
-
 def converted_model_type(config: PreTrainedConfig) -> str:
     """The `model_type` of what `convert` makes of a model of `config` (TypeError for one it does not take)."""
     check_convertible(config)
@@ -168,7 +161,7 @@ def _layer_overrides(
                 window,
                 layer_specs[i].describe(),
             )
-    overrides = {str(i): layer for i, layer in layer_specs.items() if layer != spec or i in specs}
+    overrides = {str(i): layer for i, layer in layer_specs.items() if layer != spec}
     return overrides or None
 
 
@@ -267,7 +260,7 @@ def convert(
         )
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
-    sliding = dict.fromkeys(_sliding_layers(source.config), fields.get("sliding_window"))
+    sliding = dict.fromkeys(sliding_window_layers(source.config), fields.get("sliding_window"))
     if "sliding_window" in fields:
         fields["sliding_window"] = None  # the layers' specs hold their windows
     config = config_class(

@@ -25,8 +25,10 @@ def visible_mask(key_mask: torch.Tensor, query_len: int, window: int | None = No
     W, only the keys fewer than W positions (by index) before the query."""
     key_len = key_mask.shape[-1]
     positions = torch.arange(key_len, device=key_mask.device)
-    offsets = positions[key_len - query_len :, None] - positions[None, :]
-    causal = offsets >= 0 if window is None else (offsets >= 0) & (offsets < window)
+    query_positions = positions[key_len - query_len :, None]
+    causal = positions[None, :] <= query_positions
+    if window is not None:
+        causal &= positions[None, :] > query_positions - window
     return (causal[None] & key_mask[:, None, :])[:, None, None]
 
 

@@ -129,7 +129,8 @@ def declares(config_class: type[PreTrainedConfig], name: str) -> bool:
 def sliding_window_layers(config: PreTrainedConfig) -> list[int]:
     """The layers in which a model of a family's `config` attends to only the last `config.sliding_window`
     positions, when that is set: those whose `layer_types` entry is "sliding_attention" where the config has
-    `layer_types` (Qwen2, Qwen3, SmolLM3, Gemma 2), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3)."""
+    `layer_types` (Qwen2, Qwen3, SmolLM3, Gemma 2), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3); none
+    for a config without `sliding_window` (Llama, GPT-2)."""
     if getattr(config, "sliding_window", None) is None:
         return []
     if declares(type(config), "layer_types"):
