@@ -24,7 +24,7 @@ import itertools
 import re
 from pathlib import Path
 
-from hf_softmax_rnn.data.corpus import _FILE_BUILDERS, _local_files, load_corpus
+from hf_softmax_rnn.data.corpus import _local_files, load_corpus
 from hf_softmax_rnn.errors import MissingPackageError, UserInputError
 
 DEFAULT_EVAL_TEXTS = "shakespeare"
@@ -81,10 +81,6 @@ def load_eval_texts(source: str | None = None, *, text_column: str = "text") -> 
     if not source.strip():
         raise UserInputError(f"the evaluation texts {source!r} name no source; expected {ACCEPTED_SOURCES}")
     path = Path(source)
-    if path.is_file() and path.suffix not in _FILE_BUILDERS:
-        raise UserInputError(
-            f"the evaluation texts {source!r} are a file of type {path.suffix or 'none'!r}; expected {ACCEPTED_SOURCES}"
-        )
     text_files = sorted(path.rglob("*.txt")) if path.is_dir() else [path] if path.suffix == ".txt" else []
     if text_files and all(file.is_file() for file in text_files):
         texts = [text for file in text_files if (text := _read_text(file).strip())]

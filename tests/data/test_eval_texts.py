@@ -78,9 +78,11 @@ def test_texts_with_nothing_to_read_are_refused_naming_the_source(tmp_path, file
         load_eval_texts(source)
 
 
-def test_a_source_of_no_readable_kind_is_named_with_what_evaluation_texts_may_be(tmp_path):
+def test_a_file_of_no_readable_kind_is_named_with_the_kinds_evaluation_texts_may_be(tmp_path):
     (tmp_path / "play.md").write_text("# A play\n")
-    expected = r"'.*play\.md' are a file of type '\.md'; expected 'shakespeare' \(offline default\), a local \.txt file"
+    expected = (
+        r"'.*play\.md' has the suffix '\.md'; expected one of \['\.csv', '\.json', '\.jsonl', '\.parquet', '\.txt'\]$"
+    )
     with pytest.raises(UserInputError, match=expected) as info:
         load_eval_texts(str(tmp_path / "play.md"))
     assert "pydoc" not in str(info.value)
