@@ -31,6 +31,7 @@ KEYS = (
 )  # fmt: skip
 _ADJECTIVES = ("silver", "crimson", "hollow", "brisk", "gentle", "frozen", "golden", "quiet", "rusty", "narrow")
 _NOUNS = ("otter", "beacon", "cedar", "harp", "marble", "sparrow", "tundra", "violin", "walnut", "comet")
+_CODE_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 #: Kinds of value: a 4- to 6-digit number, two words, or letters and digits ("KQ-3071").
 VALUE_KINDS = ("number", "words", "code")
 #: Of each half of a block, at least this share stays the block's own text.
@@ -43,7 +44,7 @@ def recall_value(kind: str, rng: random.Random) -> str:
         return str(rng.randrange(1_000, 1_000_000))
     if kind == "words":
         return f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
-    letters = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(2))
+    letters = "".join(rng.choice(_CODE_LETTERS) for _ in range(2))
     return f"{letters}-{rng.randrange(1_000, 10_000)}"
 
 
@@ -73,7 +74,7 @@ class FactPlanter:
         if count > len(KEYS):
             raise ValueError(f"{flag} {count} is not allowed; expected at most {len(KEYS)} (one key per fact)")
         self.tokenizer, self.count, self.block_size, self.seed = tokenizer, count, block_size, seed
-        longest = max(len(self._encode(RESTATED.format(key=key, value="KQ-30718 words"))) for key in KEYS)
+        longest = self._longest_restatement()
         fits = int(block_size // 2 * _MIN_TEXT_SHARE) // longest
         if count > fits:
             raise ValueError(
@@ -81,6 +82,22 @@ class FactPlanter:
                 f"to {longest} tokens, and half of each half of a block stays text; expected at most {fits}, or longer "
                 "blocks"
             )
+
+    def _longest_restatement(self) -> int:
+        """Tokens of the longest restatement (longer than its fact): the longest key's words, then the longest
+        value (every two-word value; the longest numbers and the codes of every letter pair), each encoded
+        alone (a value starts after a space, where the tokenizer splits)."""
+        head, tail = RESTATED.split("{value}")
+        values = [
+            *(f"{adjective} {noun}" for adjective in _ADJECTIVES for noun in _NOUNS),
+            "999999",
+            "100000",
+            *(f"{first}{second}-9999" for first in _CODE_LETTERS for second in _CODE_LETTERS),
+        ]
+        encode = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return max(map(len, encode([head.format(key=key) for key in KEYS]))) + max(
+            map(len, encode([f" {value}{tail}" for value in values]))
+        )
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
