@@ -60,6 +60,13 @@ def check_seeds(flag: str, seeds: Sequence[int]) -> None:
         )
 
 
+def check_distinct(flag: str, values: Sequence, consequence: str) -> None:
+    """Refuse a list that names a value twice; `consequence` says what the repeat would do."""
+    repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+    if repeated is not None:
+        raise UserInputError(f"{flag} names {repeated!r} more than once ({consequence}); name each once")
+
+
 # ---------------------------------------------------------------------------------- devices and threads
 #: Help of a `--device` flag: the values `resolve_device` accepts.
 DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"

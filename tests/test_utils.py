@@ -8,7 +8,7 @@ from hf_softmax_rnn import utils
 from hf_softmax_rnn.analysis import bench_report, small_models
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.training import metrics
-from hf_softmax_rnn.utils import minutes_and_seconds, resolve_device, set_threads
+from hf_softmax_rnn.utils import check_distinct, minutes_and_seconds, resolve_device, set_threads
 
 
 def test_resolve_device_refuses_unknown_and_missing_devices(monkeypatch):
@@ -67,3 +67,9 @@ def test_check_at_least_refuses_numbers_that_are_not_finite(value):
         UserInputError, match=rf"^--weight-decay={value!r} is not allowed; expected a (finite )?number >= 0"
     ):
         utils.check_at_least("--weight-decay", value, minimum=0)
+
+
+def test_check_distinct_names_the_first_value_given_twice_and_what_it_would_do():
+    check_distinct("--sizes", [1, 2, 3], "unused")
+    with pytest.raises(UserInputError, match=r"^--sizes names 2 more than once \(it runs twice\); name each once$"):
+        check_distinct("--sizes", [1, 2, 3, 2, 1], "it runs twice")

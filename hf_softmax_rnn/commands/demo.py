@@ -41,6 +41,7 @@ from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.layers.cache import cache_nbytes
 from hf_softmax_rnn.presets import PRESETS
 from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
+from hf_softmax_rnn.utils import check_distinct
 
 logger = logging.getLogger(__name__)
 
@@ -321,11 +322,7 @@ def _check_args(args) -> None:
     if not args.prompt.strip():
         raise UserInputError(f"--prompt {args.prompt!r} is empty; expected the text of a chat prompt")
     for flag, values in (("--presets", args.presets), ("--contexts", args.contexts), ("--trained", args.trained)):
-        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
-        if repeated is not None:
-            raise UserInputError(
-                f"{flag} names {str(repeated)!r} more than once (its row would be measured again); name each once"
-            )
+        check_distinct(flag, [str(value) for value in values], "its row would be measured again")
 
 
 def _context_prompts(texts: list[str], tokenizer, lengths: list[int]) -> list[torch.Tensor]:

@@ -14,9 +14,9 @@ from hf_softmax_rnn.analysis.mqar_train import DEFAULT_SPECS, MQARRun, plot_resu
 from hf_softmax_rnn.analysis.small_models import check_width
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.data.mqar import MQARConfig
-from hf_softmax_rnn.errors import UserInputError, user_input_checks
+from hf_softmax_rnn.errors import user_input_checks
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
-from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, resolve_device, set_threads
+from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, check_distinct, resolve_device, set_threads
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,7 @@ def _tasks(args) -> list[MQARConfig]:
         ("--d-model", args.d_model),
         ("--num-kv-pairs", args.num_kv_pairs),
     ):
-        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
-        if repeated is not None:
-            raise UserInputError(
-                f"{flag} names {repeated!r} more than once (its runs would be trained and reported again); name "
-                "each once"
-            )
+        check_distinct(flag, values, "its runs would be trained and reported again")
     for d_model in args.d_model:
         check_width(d_model, args.num_heads)
     with user_input_checks(ValueError, TypeError):

@@ -41,6 +41,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.passkey import greedy_answer
 from hf_softmax_rnn.long_context.positions import check_count
+from hf_softmax_rnn.utils import check_distinct
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +226,7 @@ def check_needle_settings(
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
         raise UserInputError(f"lengths={lengths!r} is not allowed; expected a non-empty list of ints")
     for what, values in (("variants", variants), ("templates", templates), ("fillers", fillers), ("lengths", lengths)):
-        repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
-        if repeated is not None:
-            raise UserInputError(
-                f"{what}={list(values)!r} names {repeated!r} twice (its cell would count its prompts twice); name each "
-                "once"
-            )
+        check_distinct(f"{what}={list(values)!r}", values, "its cell would count its prompts twice")
     for length in lengths:
         check_count("needle prompt length", length)
         check_within_positions(model, length, "needle prompt length", past_max_positions=past_max_positions)

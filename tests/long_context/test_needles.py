@@ -148,7 +148,10 @@ def test_no_form_of_the_suite_is_the_calibration_prompt():
         ),
         (dict(fillers=["shakespeare"], eval_texts=["short text"]), r"needs \d+ filler tokens, more than the"),
         (dict(variants=["single_number", "single_number"]), r"^variants=\['single_number', 'single_number'\] names"),
-        (dict(lengths=[1000, 1000]), r"^lengths=\[1000, 1000\] names 1000 twice \(its cell would count its prompts"),
+        (
+            dict(lengths=[1000, 1000]),
+            r"^lengths=\[1000, 1000\] names 1000 more than once \(its cell would count its prompts twice\)",
+        ),
         (
             dict(lengths=[1]),
             r"^needle prompt length=1 is not allowed for 'single_number': its answer alone takes \d+ tokens; expected "
