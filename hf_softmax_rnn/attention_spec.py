@@ -129,6 +129,13 @@ class AttentionSpec:
             b_t phi(k_s) [v_s, 1]^T for the key s that enters at step t (with `decay`, the gated delta
             rule; a_t = 1 without). Keys that never share a direction add up as in linear attention when
             b_t = 1; a key that repeats overwrites its value. See docs/delta_rule.md.
+        additive_mass: a delta-rule state that recalls values and weighs them by an additive mass: its
+            value columns are corrected toward v itself (S^T u_s -> v_s) and read by the query's direction,
+            y = (phi(q) / |phi(q)|) S, while its last column is the additive sum z_a = sum_s a phi(k_s)
+            (no correction, no write strength); the finite part is m [y, 1] with m = phi(q).z_a, the weight
+            an additive state gives the keys it holds. Beside a window the recall then weighs as much as the
+            positions it stands for, and without a window the normaliser reads the additive denominator.
+            The state keeps its size. Needs `delta_rule`. See docs/delta_rule.md.
         short_conv: K for a short causal convolution over the keys and values: each channel of each KV
             head becomes a learned combination of its last K positions (the query's own included) before
             attention, so a key can carry what came just before it (DeltaNet's short convolution; weights
@@ -154,6 +161,7 @@ class AttentionSpec:
     decay: bool = False
     kept: int | None = None
     delta_rule: bool = False
+    additive_mass: bool = False
     short_conv: int | None = None
 
     def __post_init__(self) -> None:
@@ -256,6 +264,12 @@ class AttentionSpec:
             )
         if self.delta_rule:
             self._validate_delta_rule()
+        elif self.additive_mass:
+            raise ValueError(
+                "AttentionSpec.additive_mass=True is not allowed with delta_rule=False: it weighs a delta-rule "
+                "state's recall by an additive mass, and an additive state is its own mass; expected "
+                "additive_mass=False, or delta_rule=True"
+            )
         if self.short_conv is not None:
             self._validate_short_conv()
         if self.normalizer in DENOMINATOR_NORMALIZERS and self.uses_taylor and self.taylor_order % 2 == 1:
@@ -304,13 +318,13 @@ class AttentionSpec:
                 "finite recurrent state, which this spec does not have; expected delta_rule=False, or a finite-state "
                 "spec (kind='linear', or kind='recurrent_softmax' with a taylor_order, and no score_clamp)"
             )
-        if self.window is None and self.normalizer in DENOMINATOR_NORMALIZERS:
+        if self.window is None and self.normalizer in DENOMINATOR_NORMALIZERS and not self.additive_mass:
             allowed = [name for name in NORMALIZERS if name not in DENOMINATOR_NORMALIZERS]
             raise ValueError(
                 f"AttentionSpec.normalizer={self.normalizer!r} is not allowed with delta_rule=True and no window: "
                 "a delta-rule state overwrites its denominator as it does its values, which can then be 0 or "
-                f"negative; expected one of {allowed}, or set a window (whose exact part keeps the denominator "
-                "positive)"
+                f"negative; expected one of {allowed}, additive_mass=True (the normaliser then reads the additive "
+                "denominator), or set a window (whose exact part keeps the denominator positive)"
             )
 
     def _validate_short_conv(self) -> None:
@@ -463,7 +477,8 @@ class AttentionSpec:
         if self.decay:
             parts.insert(2 if self.window is not None else 1, "data-dependent decay of the state")
         if self.delta_rule:
-            parts.insert(2 if self.window is not None else 1, "delta-rule state")
+            state = "delta-rule state" + (" weighed by an additive mass" if self.additive_mass else "")
+            parts.insert(2 if self.window is not None else 1, state)
         if self.short_conv is not None:
             parts.insert(1, f"keys and values through a short convolution of width {self.short_conv}")
         return ", ".join(parts)
@@ -522,5 +537,6 @@ _FIELD_TYPES = (
     ("decay", (bool,), "true or false"),
     ("kept", _OPTIONAL_INT, "None or an int"),
     ("delta_rule", (bool,), "true or false"),
+    ("additive_mass", (bool,), "true or false"),
     ("short_conv", _OPTIONAL_INT, "None or an int"),
 )

@@ -220,6 +220,12 @@ PRESET_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "hedgehog_window_64_sinks_4_delta with a short convolution of width 4 over the keys and values",
         dict(kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True, delta_rule=True, short_conv=4),
     ),
+    "hedgehog_window_64_sinks_4_delta_mass": (
+        "hedgehog_window_64_sinks_4_delta whose state's recall weighs as much as the additive state's mass",
+        dict(
+            kind="linear", feature_map="hedgehog", window=64, sinks=4, decay=True, delta_rule=True, additive_mass=True
+        ),
+    ),
     "hedgehog_window_256_sinks_4_kept_256_delta": (
         "exact softmax over the first 4 and the last 256 positions and the 256 most attended older ones, hedgehog "
         "features with a gated delta-rule state over the rest, one denominator",

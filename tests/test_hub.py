@@ -46,6 +46,7 @@ REMOTE_SPEC = AttentionSpec(
     kept=2,
     decay=True,
     delta_rule=True,
+    additive_mass=True,
     short_conv=2,
     chunk_size=4,
 )
@@ -121,9 +122,9 @@ def run_without_package(script: str, *args: str, cwd) -> subprocess.CompletedPro
 
 
 def saved_with_remote_code(family, directory):
-    """A converted hybrid (layer 0: hedgehog with a gated delta-rule state beyond a window of 3 with 2 sinks and
-    2 kept positions, keys and values through a short convolution; layer 1: softmax) with perturbed rnn_params,
-    saved with its code."""
+    """A converted hybrid (layer 0: hedgehog with a gated delta-rule state weighed by an additive mass beyond a
+    window of 3 with 2 sinks and 2 kept positions, keys and values through a short convolution; layer 1:
+    softmax) with perturbed rnn_params, saved with its code."""
     model = convert(SOURCES[family]().eval(), REMOTE_SPEC, layers=[0])
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -12,7 +12,7 @@ from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
 from hf_softmax_rnn.ops.checks import INPUT_DTYPES, check_arguments, check_inputs, check_state
 from hf_softmax_rnn.ops.decay import MIN_LOG_DECAY
-from hf_softmax_rnn.ops.delta import parallel_delta_values
+from hf_softmax_rnn.ops.delta import parallel_delta_values, read_with_mass
 from hf_softmax_rnn.ops.feature_maps import build_kernel
 from hf_softmax_rnn.ops.flex_window import combine_window_and_linear, flex_window_attention
 from hf_softmax_rnn.ops.grouping import grouped_matmul
@@ -214,7 +214,9 @@ def attention(
             spec.kept,
         )
         if spec.delta_rule:
-            numerator, denominator = _parallel_delta(parallel_inputs, v, key_mask, strength.to(compute_dtype))
+            numerator, denominator = _parallel_delta(
+                parallel_inputs, v, key_mask, strength.to(compute_dtype), spec.additive_mass
+            )
             log_shift = None
         else:
             scores, log_shift = parallel_scores(*parallel_inputs)
@@ -284,18 +286,24 @@ def attention(
     return out.to(out_dtype), new_state
 
 
-def _parallel_delta(parallel_inputs: tuple, v: torch.Tensor, key_mask: torch.Tensor, strength: torch.Tensor):
+def _parallel_delta(
+    parallel_inputs: tuple, v: torch.Tensor, key_mask: torch.Tensor, strength: torch.Tensor, additive_mass: bool
+):
     """(numerator `[B, Hkv, G, Lq, Dv]`, denominator `[B, Hkv, G, Lq]`) of the parallel form of a delta-rule
     spec: its exact part (a hybrid's) reads the values, its finite-state part the corrections that the
-    delta rule wrote for each key (`ops.delta.parallel_delta_values`), scored against the unit keys."""
+    delta rule wrote for each key (`ops.delta.parallel_delta_values`), scored against the unit keys, and with
+    `additive_mass` read as the recall weighed by the mass (`ops.delta.read_with_mass`)."""
     k, kernel = parallel_inputs[1], parallel_inputs[3]
     parts = parallel_parts(*parallel_inputs)
     augmented_v = torch.cat([v, key_mask.to(v.dtype)[:, None, :, None].expand(*v.shape[:-1], 1)], dim=-1)
     log_decay = parallel_inputs[8]
     corrections, inverse_norm = parallel_delta_values(
-        kernel.key_features(k), augmented_v, strength, parts.entry, parts.enters, log_decay
+        kernel.key_features(k), augmented_v, strength, parts.entry, parts.enters, log_decay, additive_mass
     )
     augmented = grouped_matmul(parts.finite * inverse_norm[:, :, None, None, :], corrections)
+    if additive_mass:
+        query_norm = kernel.query_features(parallel_inputs[0]).norm(dim=-1, keepdim=True)
+        augmented = read_with_mass(augmented, query_norm * parts.finite_scale)
     if parts.exact is not None:
         augmented = augmented + grouped_matmul(parts.exact, augmented_v)
     numerator, denominator = augmented.split([v.shape[-1], 1], dim=-1)
@@ -455,10 +463,11 @@ def _finite_state(
             fresh_state,
             keep_state,
             delta_strength,
+            spec.additive_mass,
         )
     else:
         linear, packed = recurrent_linear_attention(
-            q, entering_keys, entering, packed, kernel, in_place, log_decay, delta_strength
+            q, entering_keys, entering, packed, kernel, in_place, log_decay, delta_strength, spec.additive_mass
         )
     new_state.packed = packed
     if spec.window is None:

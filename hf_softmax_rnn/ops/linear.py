@@ -62,6 +62,7 @@ def chunked_linear_attention(
     empty_state: bool = False,
     final_state: bool = True,
     delta_strength: torch.Tensor | None = None,
+    additive_mass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` and the state after the last position.
     `io_dtype`: the dtype a fused GPU kernel reads the features in (default q's); `log_decay`
@@ -69,10 +70,11 @@ def chunked_linear_attention(
     is zero, which the fused kernel then need not read; `final_state=False`: the caller discards the
     state after the call (training), which the fused kernel then neither writes nor returns (None).
     `delta_strength` `[B, Hkv, L]`: the write strengths of a delta-rule state (`ops.delta`, which has no
-    fused kernel: it runs in PyTorch on every device); None = the additive state."""
+    fused kernel: it runs in PyTorch on every device); None = the additive state. `additive_mass`: the
+    delta-rule state's recall is weighed by an additive mass (`ops.delta`)."""
     if delta_strength is not None:
         note_pytorch_form(q.device.type, io_dtype or q.dtype, "the delta rule")
-        return chunked_delta_attention(q, k, v, delta_strength, state, kernel, chunk_size, log_decay)
+        return chunked_delta_attention(q, k, v, delta_strength, state, kernel, chunk_size, log_decay, additive_mass)
     io_dtype = io_dtype or q.dtype
     chunk_function = fla_linear_function(q.device.type, io_dtype, state.shape[-2], kernel.clamp)
     if chunk_function is not None:
@@ -110,14 +112,16 @@ def recurrent_linear_attention(
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
     delta_strength: torch.Tensor | None = None,
+    additive_mass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """S'_t = a_t S'_{t-1} + phi(k_t) v'_t^T, out_t = phi(q_t) S'_t, one position at a time, with
     a_t = exp(`log_decay` `[B, Hkv, L]`) or 1 without it.
     `in_place`: update `state` itself (decoding without autograd: one read and one write of the
     state per step instead of a new tensor that a cache then copies back). `delta_strength`
-    `[B, Hkv, L]`: a delta-rule state's write strengths (`ops.delta`); None = the additive state."""
+    `[B, Hkv, L]`: a delta-rule state's write strengths (`ops.delta`, with `additive_mass` weighed by an
+    additive mass); None = the additive state."""
     if delta_strength is not None:
-        return recurrent_delta_attention(q, k, v, delta_strength, state, kernel, in_place, log_decay)
+        return recurrent_delta_attention(q, k, v, delta_strength, state, kernel, in_place, log_decay, additive_mass)
     phi_q = kernel.query_features(q)
     phi_k = kernel.key_features(k)
     outputs = []

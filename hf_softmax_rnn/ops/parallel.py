@@ -64,13 +64,15 @@ class ParallelParts:
     keys that have entered the state, with their decay and the hybrid's mixing weight), with the per-row log
     shift of exact exp (`[B, Hkv, G, Lq]`, or None) and, for a hybrid, the step at which each key enters
     the finite state (`entry` `[B, Hkv, Lk]`; steps past Lk - 1 for keys still kept) and whether it ever
-    can (`enters` `[B, 1, Lk]`: visible, not a sink)."""
+    can (`enters` `[B, 1, Lk]`: visible, not a sink), and the factor of each row's finite part (`finite_scale`,
+    a hybrid's mixing weight `[B, Hkv, G, Lq, 1]`; 1.0 without a window)."""
 
     exact: torch.Tensor | None
     finite: torch.Tensor
     log_shift: torch.Tensor | None
     entry: torch.Tensor
     enters: torch.Tensor
+    finite_scale: torch.Tensor | float = 1.0
 
 
 def parallel_parts(
@@ -121,5 +123,5 @@ def parallel_parts(
     older = kernel.scores(q, k).masked_fill(~(visible & ~near), 0.0)
     if log_decay is not None:
         older = older * decay_weights(log_decay, q.shape[-2], window, None if kept is None else entry)
-    finite = older * mix_weight(linear_log_scale, row_max, k.shape[1])
-    return ParallelParts(torch.exp(x - row_max), finite, None, entry, (key_mask & ~sink)[:, None])
+    mix = mix_weight(linear_log_scale, row_max, k.shape[1])
+    return ParallelParts(torch.exp(x - row_max), older * mix, None, entry, (key_mask & ~sink)[:, None], mix)

@@ -137,7 +137,15 @@ def window_hybrid_step(
     mix = mix_weight(linear_log_scale, row_max.unsqueeze(-1), kv_heads)  # [B, Hkv, G, 1, 1]
     if delta_strength is not None:
         linear, fields["packed"] = recurrent_linear_attention(
-            q, leaving_key, leaving_value, state.packed.to(dtype), kernel, in_place, log_decay, delta_strength
+            q,
+            leaving_key,
+            leaving_value,
+            state.packed.to(dtype),
+            kernel,
+            in_place,
+            log_decay,
+            delta_strength,
+            spec.additive_mass,
         )
         return numerator.view(linear.shape) + linear * mix, dataclasses.replace(state, **fields)
     entering = kernel.key_features(leaving_key).squeeze(-2), leaving_value.squeeze(-2)

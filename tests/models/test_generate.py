@@ -191,6 +191,9 @@ STATE_SIZE_SPECS = {
     "hedgehog_window3_delta_conv3": AttentionSpec(
         kind="linear", feature_map="hedgehog", window=3, delta_rule=True, short_conv=3, chunk_size=4
     ),
+    "hedgehog_window3_delta_mass": AttentionSpec(
+        kind="linear", feature_map="hedgehog", window=3, delta_rule=True, additive_mass=True, chunk_size=4
+    ),
 }
 
 

@@ -15,7 +15,8 @@ from .helpers import left_padded_batch, tiny_model
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
 # finite-state layers: a linear map, order-2 Taylor (also with a decay), gated DeltaNet, and window hybrids
-# (with 2 sinks, and a decay; with 2 kept positions; with a gated delta-rule state; with a short convolution)
+# (with 2 sinks, and a decay; with 2 kept positions; with a gated delta-rule state, also weighed by an additive
+# mass; with a short convolution)
 # whose window (2 to 4 positions) the 10- and 6-token prompts and the 6 new tokens cross
 SPECS = {
     "linear_elu": "linear_elu",
@@ -37,6 +38,17 @@ SPECS = {
         kind="linear", feature_map="hedgehog", window=2, sinks=1, kept=2, decay=True, delta_rule=True, chunk_size=4
     ),
     "gated_deltanet_conv": AttentionSpec.from_preset("gated_deltanet_conv", chunk_size=4),
+    "hedgehog_window2_sinks1_kept2_gated_delta_mass": AttentionSpec(
+        kind="linear",
+        feature_map="hedgehog",
+        window=2,
+        sinks=1,
+        kept=2,
+        decay=True,
+        delta_rule=True,
+        additive_mass=True,
+        chunk_size=4,
+    ),
     "hedgehog_window2_sinks1_gated_delta_conv3": AttentionSpec(
         kind="linear",
         feature_map="hedgehog",

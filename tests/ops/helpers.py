@@ -73,6 +73,18 @@ EXTRA_FINITE_SPECS = {
     "delta_kept2_decay_window3_sinks1_hedgehog": AttentionSpec(
         kind="linear", feature_map="hedgehog", hedgehog_dim=5, window=3, sinks=1, kept=2, decay=True, delta_rule=True
     ),
+    "delta_mass_elu_softmax": AttentionSpec(kind="linear", feature_map="elu", delta_rule=True, additive_mass=True),
+    "delta_mass_kept2_decay_window3_sinks1_hedgehog": AttentionSpec(
+        kind="linear",
+        feature_map="hedgehog",
+        hedgehog_dim=5,
+        window=3,
+        sinks=1,
+        kept=2,
+        decay=True,
+        delta_rule=True,
+        additive_mass=True,
+    ),  # fmt: skip
 }
 
 FINITE_SPECS = {**{name: quiet_preset(name) for name in FINITE_STATE_PRESETS}, **EXTRA_FINITE_SPECS}

@@ -14,11 +14,13 @@ TOL = dict(rtol=1e-9, atol=1e-10)
 MODES = ("parallel", "chunked", "recurrent")
 
 
-def reference(q, k, v, strength, log_decay, kernel, mask, window=None, log_scale=None, scale=None):
+def reference(q, k, v, strength, log_decay, kernel, mask, window=None, log_scale=None, scale=None, mass=False):
     """The augmented numerator `[B, H, L, Dv + 1]` by the definition: S_t = a_t (I - b_t u u^T) S_{t-1}
     + b_t phi(k) [v, 1]^T for the key entering at step t (position t, or t - W with a window), read as
     phi(q_t) S_t, plus exp(q.k * scale) [v, 1] over the window scaled by e^{-log_scale}, one head and row
-    at a time."""
+    at a time. `mass`: the value columns follow S_t = a_t (I - b_t u u^T) S_{t-1} + b_t u v^T and are read
+    as y = phi(q_t) S_t / |phi(q_t)|; the finite part is m [y, 1] with m = phi(q_t).z_a, z_a = sum a phi(k)
+    the additive sum of the keys that entered."""
     batch, heads, length, _ = q.shape
     group = heads // k.shape[1]
     out = torch.zeros(batch, heads, length, v.shape[-1] + 1, dtype=torch.float64)
@@ -28,20 +30,28 @@ def reference(q, k, v, strength, log_decay, kernel, mask, window=None, log_scale
             phi_q = kernel.query_features(q[b, h][None, None, None])[0, 0, 0]
             phi_k = kernel.key_features(k[b : b + 1, g : g + 1])[0, 0]
             state = torch.zeros(phi_k.shape[-1], v.shape[-1] + 1, dtype=torch.float64)
+            additive = torch.zeros(phi_k.shape[-1], dtype=torch.float64)
             visible = mask[b].bool()
             for t in range(length):
-                state = state * (log_decay[b, g, t].exp() if log_decay is not None and visible[t] else 1.0)
+                factor = log_decay[b, g, t].exp() if log_decay is not None and visible[t] else 1.0
+                state, additive = state * factor, additive * factor
                 s = t if window is None else t - window
                 if s >= 0 and visible[s]:
                     features = phi_k[s]
                     unit = features / features.norm()
                     beta = strength[b, g, t]
                     value = torch.cat([v[b, g, s], torch.ones(1, dtype=torch.float64)])
+                    if mass:  # the value columns recall v itself; the mass column is added
+                        value = torch.cat([v[b, g, s], features.norm()[None]])
                     state = (torch.eye(len(unit), dtype=torch.float64) - beta * torch.outer(unit, unit)) @ state
-                    state = state + beta * torch.outer(features, value)
+                    state = state + beta * torch.outer(unit if mass else features, value)
+                    additive = additive + features
                 if not visible[t]:
                     continue
                 finite = phi_q[t] @ state
+                if mass:
+                    weight = phi_q[t] @ additive
+                    finite = torch.cat([(phi_q[t] / phi_q[t].norm()) @ state[:, :-1] * weight, weight[None]])
                 if window is None:
                     out[b, h, t] = finite
                     continue
@@ -62,6 +72,15 @@ CASES = {
     "gated_delta_taylor2_none": AttentionSpec(
         kind="recurrent_softmax", taylor_order=2, normalizer="none", delta_rule=True, decay=True, chunk_size=4
     ),
+    "gated_delta_mass_elu_none": AttentionSpec(
+        kind="linear",
+        feature_map="elu",
+        normalizer="none",
+        delta_rule=True,
+        additive_mass=True,
+        decay=True,
+        chunk_size=3,
+    ),  # fmt: skip
 }
 
 
@@ -80,24 +99,27 @@ def test_every_mode_equals_the_definition(name, mode):
     mask = left_padding_mask(2, 9, [0, 3])
     gates = _gates(spec, gate_logits)
     kernel = build_kernel(spec, spec.scale(8), as_params(make_params(spec)))
-    want = reference(q, k, v, gates["delta"], gates.get("decay"), kernel, mask)
+    want = reference(q, k, v, gates["delta"], gates.get("decay"), kernel, mask, mass=spec.additive_mass)
     got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, gates=gates)
     visible = mask.bool()[:, None, :, None]
     torch.testing.assert_close(got * visible, want[..., :-1] * visible, **TOL)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_window_hybrid_equals_the_definition(mode):
+@pytest.mark.parametrize("mass", [False, True], ids=["shared_denominator", "additive_mass"])
+def test_a_window_hybrid_equals_the_definition(mode, mass):
     """Window 3, softmax normaliser: keys enter the delta-rule state when they leave the window, with the write
     strength and decay of that step."""
-    spec = AttentionSpec(kind="linear", feature_map="elu", window=3, decay=True, delta_rule=True, chunk_size=2)
+    spec = AttentionSpec(
+        kind="linear", feature_map="elu", window=3, decay=True, delta_rule=True, additive_mass=mass, chunk_size=2
+    )
     q, k, v, gate_logits = make_inputs(length=10)
     mask = left_padding_mask(2, 10, [0, 2])
     params = make_params(spec)
     gates = _gates(spec, gate_logits)
     kernel = build_kernel(spec, spec.scale(8), as_params(params))
     want = reference(
-        q, k, v, gates["delta"], gates["decay"], kernel, mask, 3, params["linear_log_scale"], spec.scale(8)
+        q, k, v, gates["delta"], gates["decay"], kernel, mask, 3, params["linear_log_scale"], spec.scale(8), mass
     )
     got, _ = attention(q, k, v, spec, mode=mode, attention_mask=mask, gates=gates, params=as_params(params))
     visible = mask.bool()[:, None, :, None]
@@ -161,8 +183,12 @@ def test_padding_and_zero_keys_give_finite_outputs_and_gradients():
             r"normalizer='softmax' is not allowed with delta_rule=True and no window",
         ),
         (dict(kind="linear", feature_map="elu", normalizer="l2", delta_rule=1), r"delta_rule=1 has type int"),
+        (
+            dict(kind="linear", feature_map="elu", normalizer="l2", additive_mass=True),
+            r"additive_mass=True is not allowed with delta_rule=False.*expected additive_mass=False, or delta_rule",
+        ),
     ],
-    ids=["softmax", "clamped-exp", "denominator-without-window", "not-a-bool"],
+    ids=["softmax", "clamped-exp", "denominator-without-window", "not-a-bool", "mass-without-delta-rule"],
 )
 def test_specs_that_cannot_carry_a_delta_rule_are_refused(fields, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -179,3 +205,22 @@ def test_the_write_strengths_are_required_and_checked():
     additive = AttentionSpec(kind="linear", feature_map="elu", normalizer="l2")
     with pytest.raises(ValueError, match=r"delta_rule=False, so it takes gates\['delta'\].*only with delta_rule"):
         attention(q, k, v, additive, gates={"delta": torch.ones(2, 2, 11, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_additive_mass_without_a_window_reads_the_additive_denominator(mode):
+    """Softmax normaliser, no window: the mass cancels, so the output is the delta rule's recall y, and the
+    state's last column is the uncorrected sum of phi(k) over the visible keys."""
+    spec = AttentionSpec(kind="linear", feature_map="elu", delta_rule=True, additive_mass=True, chunk_size=4)
+    q, k, v, gate_logits = make_inputs(length=9)
+    mask = left_padding_mask(2, 9, [0, 3])
+    strength = torch.sigmoid(gate_logits["delta"])
+    kernel = build_kernel(spec, spec.scale(8), as_params(make_params(spec)))
+    want = reference(q, k, v, strength, None, kernel, mask, mass=True)
+    got, state = attention(q, k, v, spec, mode=mode, attention_mask=mask, gates={"delta": strength})
+    visible = mask.bool()[:, None, :, None]
+    recall = want[..., :-1] / want[..., -1:].where(visible, torch.ones(()))
+    torch.testing.assert_close(got * visible, recall * visible, **TOL)
+    if mode != "parallel":
+        phi_k = kernel.key_features(k) * mask[:, None, :, None]
+        torch.testing.assert_close(state.packed[..., -1], phi_k.sum(-2), **TOL)
