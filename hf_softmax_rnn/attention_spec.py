@@ -134,7 +134,7 @@ class AttentionSpec:
             attention, so a key can carry what came just before it (DeltaNet's short convolution; weights
             per KV head and channel, starting as the identity, so a converted model starts as it was). Needs
             a finite-state spec; decoding keeps the last K - 1 keys and values before the convolution. None
-            = none. See docs/delta_rule.md.
+            = none. See docs/short_conv.md.
     """
 
     kind: str = "softmax"
