@@ -201,7 +201,6 @@ def test_the_panels_lie_one_under_another_each_as_wide_as_the_figure(tmp_path, m
     monkeypatch.setattr(plt, "close", figures.append)
     results = {"original": _result([10.0, 8.0], 1.0), "trained": _result([15.0, 12.0], 0.25)}
     plot_long_context(results, "original", tmp_path / "plot.png")
-    boxes = [axis.get_position() for axis in figures[0].axes]
-    assert len(boxes) == 3
-    assert [box.y0 > below.y1 for box, below in zip(boxes, boxes[1:])] == [True, True]
-    assert all(box.width > 0.7 for box in boxes)
+    curves, ratios, passkey = (axis.get_position() for axis in figures[0].axes)
+    assert curves.y0 > ratios.y1 and ratios.y0 > passkey.y1
+    assert min(curves.width, ratios.width, passkey.width) > 0.7
