@@ -114,7 +114,7 @@ class AttentionSpec:
         decay: a data-dependent forget gate on the finite-state part: the state is multiplied by
             a_t = sigmoid(w_h . x_t + b_h) in (0, 1) per position and KV head before the key that
             enters at t is added (with a window, a key enters when it leaves the window). The
-            layer computes log a_t and passes it as gates["decay"]. See docs/sinks_and_decay.md.
+            layer computes log a_t and passes it as gates["decay"]. See docs/decay.md.
         kept: K positions older than the window also scored with the exact exp(q.k): those that the
             queries of their window attended to most (each key's largest window-softmax weight over
             the W queries that see it in their window, or its predecessor's if larger), kept while
@@ -122,7 +122,7 @@ class AttentionSpec:
             the finite state only when it is not kept (when it leaves the window, or later, when a
             higher-ranked key displaces it).
             Needs a `window`; None = none. Decoding keeps the K keys and values beside the window's.
-            See docs/sinks_and_decay.md.
+            See docs/kept.md.
         delta_rule: the finite state is corrected toward each entering value instead of only added to
             (DeltaNet): with unit key features u_s = phi(k_s) / |phi(k_s)| and a write strength b_t in
             (0, 1) per position and KV head (`gates["delta"]`), S_t = a_t (I - b_t u_s u_s^T) S_{t-1} +
@@ -141,7 +141,7 @@ class AttentionSpec:
             attention, so a key can carry what came just before it (DeltaNet's short convolution; weights
             per KV head and channel, starting as the identity, so a converted model starts as it was). Needs
             a finite-state spec; decoding keeps the last K - 1 keys and values before the convolution. None
-            = none. See docs/delta_rule.md.
+            = none. See docs/short_conv.md.
     """
 
     kind: str = "softmax"

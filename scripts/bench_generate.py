@@ -47,6 +47,7 @@ import json
 import logging
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -217,7 +218,7 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_latency, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_latency, ax_bytes) = plt.subplots(2, 1, figsize=(7, 7))  # one under another: readable at page width
     for name in dict.fromkeys(m.model for m in measurements):
         rows = [m for m in measurements if m.model == name]
         contexts = [m.context for m in rows]
@@ -230,7 +231,7 @@ def plot(measurements: list[Measurement], path: Path, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     ax_bytes.set_yscale("log")
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, 90), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -363,7 +363,7 @@ def _plot(results: dict, cases: list[Case], lengths: list[int], path: Path, devi
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (time_axis, memory_axis) = plt.subplots(2, 1, figsize=(7, 7))  # one under another: readable at page width
     for label in (case.label for case in cases):
         points = [(n, results[label, n, True]) for n in lengths if "seconds" in results.get((label, n, True), {})]
         if points:

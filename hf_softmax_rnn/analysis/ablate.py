@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _RS = "recurrent_softmax"
 
-#: name -> (group, attention). Groups follow the paper's ablations (docs/design.md, section 8);
+#: name -> (group, attention). Groups follow the paper's ablations (docs/design.md, the paper's claims);
 #: each attention is a preset name
 #: (the authors' variant) or the fields of a spec where the paper has no preset of its own.
 VARIANTS: dict[str, tuple[str, str | dict]] = {

@@ -27,6 +27,9 @@ from hf_softmax_rnn.utils import (
 
 logger = logging.getLogger(__name__)
 
+#: Width and height of one panel of a benchmark plot, in inches; the panels lie one under another.
+PANEL_INCHES = (7.0, 3.5)
+
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: Sequence[str]) -> None:
     """Stop with one line (exit status 2) on `counts` flags below 1, --layers below 1, an unknown preset
@@ -82,14 +85,14 @@ def plot_panels(
     panels: Sequence[tuple[str, dict[str, tuple[list, list]]]],
     log_y: bool = False,
 ) -> None:
-    """One panel per (ylabel, {model: (x values, y values)}), side by side, x on a log2 scale."""
+    """One panel per (ylabel, {model: (x values, y values)}), one under another, x on a log2 scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for axis, (ylabel, series) in zip(axes[0], panels, strict=True):
+    figure, axes = plt.subplots(len(panels), 1, figsize=(PANEL_INCHES[0], PANEL_INCHES[1] * len(panels)), squeeze=False)
+    for axis, (ylabel, series) in zip(axes[:, 0], panels, strict=True):
         for name, (xs, ys) in series.items():
             axis.plot(xs, ys, marker="o", label=name)
         axis.set_xscale("log", base=2)
@@ -99,7 +102,7 @@ def plot_panels(
         axis.set_ylabel(ylabel)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(textwrap.fill(title, 80 * len(panels)), fontsize=9)  # a long title on as many lines as it needs
+    figure.suptitle(textwrap.fill(title, 90), fontsize=9)  # a long title on as many lines as it needs
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -1,4 +1,4 @@
-"""Small models trained on multi-query associative recall (docs/design.md, section 9), the computation of
+"""Small models trained on multi-query associative recall (docs/design.md, MQAR), the computation of
 `hf-softmax-rnn mqar` (its flags and run: `hf_softmax_rnn.commands.mqar`).
 
 For every (d_model, K, attention spec) a 2-layer Llama is trained from scratch on MQAR with

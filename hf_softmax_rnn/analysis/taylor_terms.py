@@ -1,11 +1,11 @@
 """How large is each Taylor term of exp(q.k/sqrt(d))? The computation of `hf-softmax-rnn taylor-terms MODEL`
 (its flags and run: `hf_softmax_rnn.commands.taylor_terms`).
 
-exp(x) = sum_n x^n / n! (docs/design.md, section 1): order n is one additive RNN. For each layer and
+exp(x) = sum_n x^n / n! (docs/design.md): order n is one additive RNN. For each layer and
 order n this measures the mean of |x^n / n!| over all causal (query, key) pairs and heads,
 x = q_t.k_s * scaling with q, k after RoPE, on real text, and the dominant order per layer
 (the n with the largest mean). A dominant order well above 1 means linear attention
-(order 1) misses most of what softmax computes (the paper's claim 5, docs/design.md section 8).
+(order 1) misses most of what softmax computes (the paper's claim 5 in docs/design.md).
 
 q and k are recomputed from each attention module's input by a forward pre-hook
 (`q_proj`, `k_proj`, optional `q_norm`/`k_norm`, RoPE), so the model's own forward pass is
@@ -13,7 +13,7 @@ unchanged; this works for Llama-family models, including the SoftmaxRNN ones.
 
 With `--truncation-orders`, it also converts the model to exp truncated at each order N
 (softmax denominator, no training) and measures perplexity: how many terms this model needs
-before the finite RNN behaves like its softmax (claim 1, docs/design.md section 8). Run it in float64
+before the finite RNN behaves like its softmax (claim 1 in docs/design.md). Run it in float64
 (`--dtype float64`): a truncated series at large negative scores cancels catastrophically
 in float32.
 """

@@ -1,4 +1,4 @@
-"""`hf-softmax-rnn mqar`: train small models on multi-query associative recall (docs/design.md, section 9).
+"""`hf-softmax-rnn mqar`: train small models on multi-query associative recall (docs/design.md, MQAR).
 
 For every (d_model, K, attention spec) a 2-layer Llama is trained from scratch on MQAR with K key-value
 pairs and scored on a held-out set (`hf_softmax_rnn.analysis.mqar_train`). Writes `results.csv`,

@@ -1,4 +1,4 @@
-"""Multi-query associative recall (MQAR; Arora et al., "Zoology", 2023); see docs/design.md, section 9.
+"""Multi-query associative recall (MQAR; Arora et al., "Zoology", 2023); see docs/design.md, MQAR.
 
 One example of length `seq_len` with K = `num_kv_pairs`:
 

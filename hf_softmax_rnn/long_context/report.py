@@ -113,6 +113,10 @@ class LongContextSettings:
         }
 
 
+#: Width and height of one panel of the long-context plot, in inches; the panels lie one under another.
+PANEL_INCHES = (7.0, 3.5)
+
+
 def _bucket_label(bucket: dict) -> str:
     return f"{bucket['start']:,}-{bucket['end']:,}"
 
@@ -184,11 +188,13 @@ def comparison_tables(results: dict[str, dict], reference: str) -> str:
 
 def plot_long_context(results: dict[str, dict], reference: str, path: str | Path, *, title: str = "") -> None:
     """Perplexity per position bucket of every model and, beside it when there are several, each
-    model's ratio to `reference`; where agreement results exist (`position_fidelity`), a panel of each
-    model's top-1 agreement with `reference` per bucket; where passkey results exist, a last panel of
-    passkey accuracy against the key's depth, one line per model and prompt length. A model is drawn at the buckets
-    of `reference` it was measured on (a run that stopped at 4,096 tokens beside a reference
-    measured to 8,192) and keeps its colour in every panel."""
+        model's ratio to `reference`; where agreement results exist (`position_fidelity`), a panel of each
+        model's top-1 agreement with `reference` per bucket; where passkey results exist, a last panel of
+        passkey accuracy against the key's depth, one line per model and prompt length. The panels lie one
+    under another, each as wide as the figure, so that a page that fits the figure to its width keeps them
+    readable. A model is drawn at the buckets
+        of `reference` it was measured on (a run that stopped at 4,096 tokens beside a reference
+        measured to 8,192) and keeps its colour in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,9 +204,10 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
     compared = len(results) > 1
     fidelities = {name: result["fidelity"] for name, result in results.items() if result.get("fidelity")}
     passkeys = {name: result["passkey"] for name, result in results.items() if result.get("passkey")}
-    columns = (2 if compared else 1) + bool(fidelities) + bool(passkeys)
-    figure, axes = plt.subplots(1, columns, figsize=(5.5 * columns, 4), squeeze=False)
-    curves, ratios = axes[0, 0], axes[0, 1 if compared else 0]
+    rows = (2 if compared else 1) + bool(fidelities) + bool(passkeys)
+    figure, grid = plt.subplots(rows, 1, figsize=(PANEL_INCHES[0], PANEL_INCHES[1] * rows), squeeze=False)
+    axes = grid[:, 0]
+    curves, ratios = axes[0], axes[1 if compared else 0]
     places = range(len(base))
     place_of = {(b["start"], b["end"]): place for place, b in enumerate(base)}
     colours = {}
@@ -219,7 +226,7 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
             )
     panels = [(curves, "perplexity"), (ratios, f"perplexity / {reference}")] if compared else [(curves, "perplexity")]
     if fidelities:
-        agreement = axes[0, len(panels)]
+        agreement = axes[len(panels)]
         for name, fidelity in fidelities.items():
             measured = [b for b in fidelity["buckets"] if (b["start"], b["end"]) in place_of]
             agreement.plot(
@@ -242,8 +249,8 @@ def plot_long_context(results: dict[str, dict], reference: str, path: str | Path
         for axis, _ in panels:
             axis.axvline(first_past - 0.5, color="grey", linestyle=":", label=f"max_position_embeddings ({limit:,})")
     if passkeys:
-        _plot_passkey(axes[0, -1], passkeys, colours)
-    for axis in axes[0]:
+        _plot_passkey(axes[-1], passkeys, colours)
+    for axis in axes:
         axis.legend(fontsize=8)
     if title:
         figure.suptitle(title, fontsize=10)

@@ -31,7 +31,7 @@ from hf_softmax_rnn.long_context.retrieval import check_retrieval_budget
 from hf_softmax_rnn.training.optim import WEIGHT_DECAY_HELP
 
 #: The attention `finetune` converts to by default: the sliding-window hybrid, the recipe that brings
-#: a pretrained model back close to its perplexity (docs/finetuning.md, the recovery benchmark).
+#: a pretrained model back close to its perplexity (docs/results/recovery.md).
 DEFAULT_ATTENTION = "hedgehog_window_256_sinks_4_kept_256_decay"
 FINETUNE_METHODS = ("lora", "full", "rnn")
 #: Stage-2 objectives: next-token cross-entropy, or KL divergence to the unconverted model's logits.
@@ -223,7 +223,7 @@ DEFAULT_SCHEDULE = dict(
     block_size=BLOCK_SIZE,
     state_steps=0,
 )
-#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/finetuning.md):
+#: The recovery recipe for learned feature maps and sliding-window hybrids (measured in docs/results/variants.md):
 #: hybrids go straight to LoRA distilled from the unconverted model (teacher-forced transfer lowered their
 #: layer error but not their perplexity); a pure learned map is transferred first.
 #: A window of 256 exact positions or more is already close to the original after conversion and
@@ -370,7 +370,7 @@ class FinetuneConfig:
     recall_facts: int = option(
         0,
         "key-value facts written into the first half of each training block and restated in its second half, "
-        "so that distillation from the original teaches recall from the state (0: none; docs/finetuning.md)",
+        "so that distillation from the original teaches recall from the state (0: none; docs/finetuning_options.md)",
         group=_DATA,
     )
 

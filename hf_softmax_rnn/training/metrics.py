@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curves.png"
-PANEL_INCHES = 6  # width of one stage's panel in the loss-curve plot
+PANEL_INCHES = (7.0, 3.5)  # width and height of one stage's panel; the panels lie one under another
 TENSORBOARD_DIR = "runs"
 #: Evaluation points before any training (stages log under their own names).
 BEFORE_CONVERSION = "base"
@@ -126,7 +126,7 @@ def plot_loss_curves(
     title: str = "",
     references: tuple[str, ...] = (BEFORE_CONVERSION, AFTER_CONVERSION),
 ) -> Path:
-    """One panel per stage: training loss per step, and held-out perplexity on a second axis
+    """One panel per stage, one under another: training loss per step, and held-out perplexity on a second axis
     with the perplexities of the `references` points (records without a loss) as dashed lines."""
     import matplotlib
 
@@ -136,8 +136,8 @@ def plot_loss_curves(
     stages = list(dict.fromkeys(r["stage"] for r in records if "loss" in r))
     reference_values = {r["stage"]: r["perplexity"] for r in records if r["stage"] in references and "perplexity" in r}
     panels = max(len(stages), 1)
-    fig, axes = plt.subplots(1, panels, figsize=(PANEL_INCHES * panels, 4), squeeze=False)
-    for axis, stage in zip(axes[0], stages, strict=False):
+    fig, axes = plt.subplots(panels, 1, figsize=(PANEL_INCHES[0], PANEL_INCHES[1] * panels), squeeze=False)
+    for axis, stage in zip(axes[:, 0], stages, strict=False):
         train = [r for r in records if r["stage"] == stage and "loss" in r]
         axis.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
         axis.set_xlabel("step")
@@ -152,7 +152,7 @@ def plot_loss_curves(
         twin.set_ylabel("held-out perplexity (log scale)", color="tab:red")
         twin.legend(loc="best", fontsize="small")
     if title:  # wrapped to the figure's width (about 11 characters per inch at this size)
-        fig.suptitle(textwrap.fill(title, width=11 * PANEL_INCHES * panels), fontsize="medium")
+        fig.suptitle(textwrap.fill(title, width=int(11 * PANEL_INCHES[0])), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

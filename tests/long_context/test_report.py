@@ -191,3 +191,16 @@ def test_agreement_panel_draws_each_model_in_its_colour(tmp_path, monkeypatch):
     assert (drawn.get_label(), list(drawn.get_xdata()), list(drawn.get_ydata())) == ("trained", [0, 1], [87.5, 50.0])
     assert drawn.get_color() == colours["trained"]
     assert agreement.get_ylabel() == "top-1 agreement with original (%)"
+
+
+def test_the_panels_lie_one_under_another_each_as_wide_as_the_figure(tmp_path, monkeypatch):
+    """A page fits a figure to its width: side by side, three panels would each get a third of it."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = {"original": _result([10.0, 8.0], 1.0), "trained": _result([15.0, 12.0], 0.25)}
+    plot_long_context(results, "original", tmp_path / "plot.png")
+    curves, ratios, passkey = (axis.get_position() for axis in figures[0].axes)
+    assert curves.y0 > ratios.y1 and ratios.y0 > passkey.y1
+    assert min(curves.width, ratios.width, passkey.width) > 0.7

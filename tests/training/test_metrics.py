@@ -29,3 +29,13 @@ def test_a_long_title_stays_inside_the_figure(tmp_path, monkeypatch, stages):
     assert " ".join(title.get_text().split()) == LONG_TITLE
     box, frame = title.get_window_extent(figure.canvas.get_renderer()), figure.bbox
     assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
+
+
+def test_the_stage_panels_lie_one_under_another(tmp_path, monkeypatch):
+    records = RECORDS + [{**r, "stage": "transfer"} for r in RECORDS[2:]]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_loss_curves(records, tmp_path / "curves.png")
+    (figure,) = figures
+    finetune, transfer = (axis.get_position() for axis in figure.axes if axis.get_title())
+    assert finetune.y0 > transfer.y1 and finetune.width > 0.6
