@@ -1,5 +1,5 @@
 """Turn a pretrained Llama, GPT-2 or model of a family of Llama's pattern (Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3, Gemma 2: `LLAMA_LIKE_FAMILIES`) into the
+Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3: `LLAMA_LIKE_FAMILIES`) into the
 matching softmax_rnn model with the same weights."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hf_softmax_rnn.models import (
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
-from hf_softmax_rnn.models.llama_like import sliding_window_layers
+from hf_softmax_rnn.models.llama_like import declares, sliding_window_layers
 from hf_softmax_rnn.models.modeling_softmax_rnn import SoftmaxRNNPreTrainedMixin
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,8 @@ def convert(
     sliding = dict.fromkeys(sliding_window_layers(source.config), fields.get("sliding_window"))
     if "sliding_window" in fields:
         fields["sliding_window"] = None  # the layers' specs hold their windows
+    if declares(config_class, "rope_layer_types"):  # one RoPE per layer type (Gemma 3): each layer keeps its own
+        fields["rope_layer_types"] = list(source.config.layer_types)
     config = config_class(
         **fields,
         attention=spec,

@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -466,6 +466,8 @@ class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
         if getattr(self, "use_rope", True):
+            if isinstance(position_embeddings, Mapping):  # one RoPE per layer type (Gemma 3)
+                position_embeddings = position_embeddings[self.config.rope_layer_types[self.layer_idx]]
             cos, sin = position_embeddings
             query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value

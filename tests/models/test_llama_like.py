@@ -1,5 +1,5 @@
 """The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3,
-Gemma 2): converted models against the unmodified transformers models they come from."""
+Gemma 2, Gemma 3): converted models against the unmodified transformers models they come from."""
 
 import copy
 import logging
@@ -15,6 +15,8 @@ from transformers import (
     BertConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GraniteConfig,
     GraniteForCausalLM,
@@ -54,10 +56,20 @@ GRANITE_MULTIPLIERS = dict(
 #: Gemma 2 as it converts: every layer full attention, no attention soft-capping; its own softmax scale
 #: (`query_pre_attn_scalar` 4 instead of head_dim 8) and the final logit soft-capping of its own code.
 GEMMA2 = dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None, query_pre_attn_scalar=4)
+#: Gemma 3 with a local (sliding-window) layer and a global one, whose RoPEs differ (theta 10 and 10^6): its own
+#: softmax scale (`query_pre_attn_scalar` 4) and q/k norms.
+GEMMA3 = dict(
+    layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=4,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    },
+)
 #: id -> (source class, its config): tied and untied embeddings, attention biases (Qwen2's own; Qwen3's
 #: `attention_bias`), q/k norms per head (Qwen3, Qwen3-MoE) and over the projection (OLMo 2), experts (Qwen3-MoE,
 #: Mixtral), a fused qkv_proj with RoPE on half of each head (Phi-3), Granite's multipliers, and SmolLM3's NoPE
-#: layers (layer 1 of 2 without RoPE), Gemma 2's scale.
+#: layers (layer 1 of 2 without RoPE), Gemma 2's scale, Gemma 3's local and global RoPE (a window of 4).
 SOURCES = {
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
     "mistral-tied": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None, tie_word_embeddings=True)),
@@ -80,6 +92,11 @@ SOURCES = {
     ),
     "gemma2-tied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, final_logit_softcapping=30.0)),
     "gemma2-untied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, tie_word_embeddings=False)),
+    "gemma3-local-global": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4)),
+    "gemma3-untied": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4, tie_word_embeddings=False),
+    ),
 }
 FINITE_STATE_SPECS = {
     "linear_elu": "linear_elu",
@@ -205,6 +222,7 @@ SLIDING = {
         Gemma2Config(**SHAPE, **{**GEMMA2, "layer_types": ["sliding_attention", "full_attention"]}, sliding_window=4),
         [0],
     ),
+    "gemma3-layer-0": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4), [0]),
 }
 
 
@@ -239,6 +257,32 @@ def test_a_sliding_layer_left_exact_in_a_hybrid_keeps_its_window(caplog):
         converted = convert(source, "linear_elu")
     assert converted.config.attention_spec(1) == AttentionSpec.from_preset("linear_elu")
     assert "Layer 1 attends to the last 4 positions in the source model" in caplog.text
+
+
+@pytest.mark.parametrize("spec", ["softmax", "linear_elu"])
+def test_each_layer_keeps_the_rope_of_its_source_layer_type(spec):
+    """Gemma 3's converted layers rotate q and k as the source's layer of that type does: a layer 0 of the local
+    RoPE (theta 10) and a layer 1 of the global one (theta 10^6), both exact or both converted."""
+    model_class, config = SOURCES["gemma3-local-global"]
+    converted = convert(model_class(copy.deepcopy(config)).eval(), spec)
+    assert converted.config.rope_layer_types == ["sliding_attention", "full_attention"]
+    hidden = torch.randn(1, 5, SHAPE["hidden_size"])
+    positions = torch.arange(5)[None]
+    for layer, theta in ((0, 10.0), (1, 1e6)):
+        attention = converted.model.layers[layer].self_attn
+        rope = converted.model.rotary_emb(hidden, positions)
+        query, _, _ = attention.project_qkv(hidden, rope)
+        plain_query, _, _ = attention.project_qkv(hidden, (torch.ones(1, 5, 8), torch.zeros(1, 5, 8)))
+        angle = positions[0, :, None] * theta ** -(torch.arange(0, 8, 2) / 8)
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        rotated = plain_query * cos + torch.cat([-plain_query[..., 4:], plain_query[..., :4]], -1) * sin
+        torch.testing.assert_close(query, rotated, atol=1e-6, rtol=0)
+
+
+def test_rope_layer_types_name_keys_of_rope_parameters():
+    with pytest.raises(StrictDataclassClassValidationError, match=r"rope_layer_types=\['local', 'full_attention'\]"):
+        LLAMA_LIKE_CONFIGS["Gemma3"](**SHAPE, rope_layer_types=["local", "full_attention"])
+    assert LLAMA_LIKE_CONFIGS["Gemma3"](**SHAPE).rope_layer_types == ["full_attention"] * 2
 
 
 def test_a_sliding_window_that_no_layer_uses_is_dropped():

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -25,7 +27,39 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
 
     @property
     def layer_types(self) -> list[str]:
+        if self.__dict__.get("_building_family_modules"):
+            return list(self.rope_layer_types)
         return SoftmaxRNNConfigMixin.layer_types.fget(self)
+
+    @contextlib.contextmanager
+    def rope_layer_types_as_layer_types(self) -> Iterator[None]:
+        """While the family's own modules are built: `layer_types` gives `rope_layer_types` (the source's entries),
+        by which a rotary embedding of one RoPE per layer type (Gemma 3's) builds each of them."""
+        building = self.__dict__.get("_building_family_modules", False)
+        self.__dict__["_building_family_modules"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_building_family_modules"] = building
+
+    @property
+    def _rope_type_labels(self) -> tuple[str, ...]:
+        """The keys of a `rope_parameters` nested by layer type: those `rope_layer_types` names, where the family
+        has them (transformers would look for them in `layer_types`, which here name cache layouts)."""
+        return tuple(dict.fromkeys(getattr(self, "rope_layer_types", None) or ()))
+
+    def validate_rope_layer_types(self) -> None:
+        """Part of `@strict` validation: one `rope_parameters` key per layer, where the family has them."""
+        rope_layer_types = getattr(self, "rope_layer_types", None)
+        if rope_layer_types is None:
+            return
+        known = sorted(self.rope_parameters or {})
+        unknown = sorted({kind for kind in rope_layer_types if kind not in known})
+        if len(rope_layer_types) != self.num_hidden_layers or unknown:
+            raise ValueError(
+                f"{self.model_type} has rope_layer_types={rope_layer_types}: expected one entry per layer "
+                f"({self.num_hidden_layers}), each a key of rope_parameters {known}"
+            )
 
     @layer_types.setter
     def layer_types(self, value: list[str] | None) -> None:
@@ -61,7 +95,9 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
 def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
     """`SoftmaxRNN<Family>Config`: the family's config plus the attention choice (`attention`,
     `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window` and
-    `attn_logit_softcapping` None by default."""
+    `attn_logit_softcapping` None by default; for a family with one RoPE per layer type, `rope_layer_types`: the
+    key of `rope_parameters` each layer rotates q and k with (the source's `layer_types`; None: every layer
+    the full-attention RoPE)."""
 
     @strict
     class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
@@ -74,9 +110,13 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
             sliding_window: int | None = None
         if declares(family.config_class, "attn_logit_softcapping"):
             attn_logit_softcapping: float | None = None
+        if family.rope_per_layer_type:
+            rope_layer_types: list[str] | None = None
 
         def __post_init__(self, **kwargs: Any) -> None:
             self.validate_attention()
+            if family.rope_per_layer_type and self.rope_layer_types is None:
+                self.rope_layer_types = [KV_LAYER_TYPE] * self.num_hidden_layers
             super().__post_init__(**kwargs)
 
     name = f"SoftmaxRNN{family.name}Config"
