@@ -75,8 +75,8 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
 def check_convertible(config: PreTrainedConfig) -> None:
     """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
     naming its `model_type` and the types `convert` takes; ValueError for a model of such a type whose
-    attention the converted model cannot reproduce (cross-attention, bidirectional attention, soft-capped
-    attention scores), naming the setting."""
+    attention the converted model cannot reproduce (cross-attention, bidirectional attention), naming the
+    setting."""
     model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
     if config.model_type not in model_types:
         raise TypeError(
@@ -93,13 +93,20 @@ def check_convertible(config: PreTrainedConfig) -> None:
             raise ValueError(
                 f"convert() takes causal self-attention only; this {config.model_type} model has {setting}={refused}"
             )
+
+
+def check_softcapping(config: PreTrainedConfig, layer_specs: Mapping[int, AttentionSpec]) -> None:
+    """Refuse a cap of the attention scores (Gemma 2's `attn_logit_softcapping`) where a layer would not be exact
+    softmax (the cap does not factor into a feature map or a finite state): ValueError naming the value, the layers
+    and the choices."""
     cap = getattr(config, "attn_logit_softcapping", None)
-    if cap is not None:
+    finite = [i for i, layer in layer_specs.items() if layer.kind != "softmax"]
+    if cap is not None and finite:
         raise ValueError(
-            f"convert() cannot keep the attention logit soft-capping of this {config.model_type} model: "
-            f"attn_logit_softcapping={cap} is not supported (softmax_rnn layers score q.k without a cap, so the "
-            "converted model would differ); to convert it anyway, without the cap, load it with "
-            "attn_logit_softcapping=None"
+            f"convert() keeps the attention logit soft-capping of this {config.model_type} model "
+            f"(attn_logit_softcapping={cap}) in exact softmax layers only, but would convert layers {finite}: the "
+            "cap does not factor into a feature map or a finite state. Keep those layers exact (layers=[...]), or "
+            "convert the model without the cap: load it with attn_logit_softcapping=None"
         )
 
 
@@ -131,15 +138,17 @@ def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
     return name
 
 
-def _layer_overrides(
+def _layer_specs(
+    config: PreTrainedConfig,
     spec: AttentionSpec,
     layers: Iterable[int] | None,
     specs: Mapping[int, AttentionSpec | dict | str] | None,
-    num_layers: int,
-    sliding: Mapping[int, int],
-) -> dict[str, AttentionSpec | dict | str] | None:
-    """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names; a layer
-    of `sliding` (index -> the source's window) that computes exact softmax keeps its sliding window."""
+) -> dict[int, AttentionSpec]:
+    """The spec of each layer of a model of `config`: exact softmax in every layer not listed in `layers`, `specs`
+    in the converted layers it names, `spec` in the others; a layer the source limits to its last
+    `sliding_window` positions that computes exact softmax keeps its sliding window."""
+    num_layers = config.num_hidden_layers
+    sliding = dict.fromkeys(sliding_window_layers(config), getattr(config, "sliding_window", None))
     converted = list(range(num_layers)) if layers is None else converted_layers(layers, num_layers)
     specs = {key: AttentionSpec.coerce(value) for key, value in dict(specs or {}).items()}
     outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in converted]
@@ -161,8 +170,7 @@ def _layer_overrides(
                 window,
                 layer_specs[i].describe(),
             )
-    overrides = {str(i): layer for i, layer in layer_specs.items() if layer != spec}
-    return overrides or None
+    return layer_specs
 
 
 def converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
@@ -249,10 +257,15 @@ def convert(
     source = model_or_path
     if isinstance(source, (str, os.PathLike)):
         name = _existing_folder_or_hub_id(source)
-        check_convertible(AutoConfig.from_pretrained(name, **from_pretrained_kwargs))
+        source_config = AutoConfig.from_pretrained(name, **from_pretrained_kwargs)
+        check_convertible(source_config)
+        if getattr(source_config, "attn_logit_softcapping", None) is not None:  # refused before the weights load
+            check_softcapping(source_config, _layer_specs(source_config, spec, layers, layer_attention))
         source = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     config_class, model_class = _family(source)
     check_convertible(source.config)
+    layer_specs = _layer_specs(source.config, spec, layers, layer_attention)
+    check_softcapping(source.config, layer_specs)
     if any(parameter.is_meta for parameter in source.parameters()):
         raise ValueError(
             f"convert() copies the weights of the model it is given, but this {type(source).__name__} has weights on "
@@ -260,7 +273,6 @@ def convert(
         )
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
-    sliding = dict.fromkeys(sliding_window_layers(source.config), fields.get("sliding_window"))
     if "sliding_window" in fields:
         fields["sliding_window"] = None  # the layers' specs hold their windows
     if declares(config_class, "rope_layer_types"):  # one RoPE per layer type (Gemma 3): each layer keeps its own
@@ -268,7 +280,7 @@ def convert(
     config = config_class(
         **fields,
         attention=spec,
-        layer_attention=_layer_overrides(spec, layers, layer_attention, source.config.num_hidden_layers, sliding),
+        layer_attention={str(i): layer for i, layer in layer_specs.items() if layer != spec} or None,
         attention_mode=attention_mode,
     )
     with init.no_init_weights():  # every weight but rnn_params (initialised on construction) is loaded next

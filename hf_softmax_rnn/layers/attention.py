@@ -330,6 +330,9 @@ class SoftmaxRNNAttentionMixin:
         common = dict(
             attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
         )
+        softcap = getattr(self.config, "attn_logit_softcapping", None)
+        if softcap is not None:  # (exact softmax layers only: the config refuses it elsewhere)
+            common["softcap"] = softcap
         spec = self.attention_spec
         if cache is None:
             out, _ = attention(

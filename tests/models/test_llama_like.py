@@ -56,6 +56,8 @@ GRANITE_MULTIPLIERS = dict(
 #: Gemma 2 as it converts: every layer full attention, no attention soft-capping; its own softmax scale
 #: (`query_pre_attn_scalar` 4 instead of head_dim 8) and the final logit soft-capping of its own code.
 GEMMA2 = dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None, query_pre_attn_scalar=4)
+#: Gemma 2 with its attention soft-capping, at 0.3 so that it bends these small scores; a sliding layer 0.
+GEMMA2_SOFTCAP = {**GEMMA2, "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 0.3}
 #: Gemma 3 with a local (sliding-window) layer and a global one, whose RoPEs differ (theta 10 and 10^6): its own
 #: softmax scale (`query_pre_attn_scalar` 4) and q/k norms.
 GEMMA3 = dict(
@@ -223,6 +225,7 @@ SLIDING = {
         [0],
     ),
     "gemma3-layer-0": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4), [0]),
+    "gemma2-softcap-layer-0": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2_SOFTCAP, sliding_window=4), [0]),
 }
 
 
@@ -296,49 +299,41 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
 
 
 @pytest.mark.parametrize(
-    ("model_class", "config", "full_attention", "hint"),
+    ("model_class", "config", "full_attention"),
     [
         (
             MistralForCausalLM,
             MistralConfig(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            None,
         ),
         (
             Qwen2ForCausalLM,
             Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1),
             dict(layer_types=["full_attention"] * 2),
-            None,
         ),
         (
             Phi3ForCausalLM,
             Phi3Config(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            None,
         ),
         (
             SmolLM3ForCausalLM,
             SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2),
             dict(layer_types=["full_attention"] * 2),
-            None,
         ),
         (
             Gemma2ForCausalLM,
             Gemma2Config(**SHAPE),
-            dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
-            "attn_logit_softcapping=None",
+            dict(layer_types=["full_attention"] * 2),
         ),
     ],
     ids=["mistral", "qwen2", "phi3", "smollm3", "gemma2"],
 )
-def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
-    """A model loaded as full attention (`sliding_window=None`, or full-attention `layer_types`; no soft-capping,
-    which the refusal names) converts as the full-attention model transformers loads with them (on the tokens:
+def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, tmp_path):
+    """A model loaded as full attention (`sliding_window=None`, or full-attention `layer_types`; Gemma 2 with its
+    soft-capping of 50) converts as the full-attention model transformers loads with them (on the tokens:
     Gemma 2's eager attention gives padded positions other values)."""
     model_class(config).save_pretrained(tmp_path)
-    if hint is not None:
-        with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
-            convert(tmp_path, "softmax")
     converted = convert(tmp_path, "softmax", **full_attention)
     reference = model_class.from_pretrained(tmp_path, **full_attention).eval()
     ids, mask = left_padded_batch(lengths=(24, 12))
@@ -348,16 +343,36 @@ def test_a_model_loaded_as_full_attention_converts(model_class, config, full_att
     torch.testing.assert_close(logits(converted, ids, mask)[visible], expected, atol=2e-6, rtol=0)
 
 
-def test_attention_soft_capping_is_refused_from_the_config_before_the_weights_load(tmp_path):
+def test_attention_soft_capping_is_kept_in_exact_softmax_layers():
+    """A softmax conversion of a soft-capped Gemma 2 caps its scores as the original does (the sliding-window
+    test above compares the logits and greedy tokens); without the cap the logits move."""
+    source = Gemma2ForCausalLM(Gemma2Config(**SHAPE, **GEMMA2_SOFTCAP, sliding_window=4)).eval()
+    converted = convert(source, "softmax")
+    assert converted.config.attn_logit_softcapping == 0.3
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    capped = logits(converted, ids, mask)[visible]
+    torch.testing.assert_close(capped, logits(source, ids, mask)[visible], atol=2e-6, rtol=0)
+    converted.config.attn_logit_softcapping = None
+    assert (logits(converted, ids, mask)[visible] - capped).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("layers", [None, [1]], ids=["all-layers", "layer-1"])
+def test_attention_soft_capping_is_refused_for_finite_state_layers_before_the_weights_load(layers, tmp_path):
     config = Gemma2Config(**SHAPE, layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
-    message = r"attn_logit_softcapping=50.0 is not supported .* load it with attn_logit_softcapping=None"
-    with pytest.raises(ValueError, match=message):
-        check_convertible(config)
+    converted = "[0, 1]" if layers is None else "[1]"
+    message = (
+        rf"attn_logit_softcapping=50.0\) in exact softmax layers only, but would convert layers {re.escape(converted)}"
+        r".* load it with attn_logit_softcapping=None"
+    )
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
-        convert(tmp_path, "linear_elu")
-    with pytest.raises(StrictDataclassClassValidationError, match="softmax_rnn_gemma2 has attn_logit_softcapping=50.0"):
-        LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0)
+        convert(tmp_path, "linear_elu", layers=layers)
+    with pytest.raises(ValueError, match=message):
+        convert(Gemma2ForCausalLM(config), "linear_elu", layers=layers)
+    with pytest.raises(StrictDataclassClassValidationError, match=r"attn_logit_softcapping=50.0, .* layers \[0, 1\]"):
+        LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attention="linear_elu", attn_logit_softcapping=50.0)
+    assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0).attn_logit_softcapping == 50.0
     assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE).attn_logit_softcapping is None
 
 

@@ -22,8 +22,8 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: each layer's window
     lives in its spec (sliding-window softmax is `AttentionSpec(window=W)`), so the family's own
     `sliding_window` must be None and `layer_types` given to a family's config, Qwen2's or Qwen3's, may only
-    name full attention; and the layers score q.k without a cap (Gemma 2's `attn_logit_softcapping` must be
-    None)."""
+    name full attention; and a cap of the scores (Gemma 2's `attn_logit_softcapping`) only where every layer
+    is exact softmax."""
 
     @property
     def layer_types(self) -> list[str]:
@@ -83,12 +83,16 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
             )
 
     def validate_attn_logit_softcapping(self) -> None:
-        """Part of `@strict` validation."""
+        """Part of `@strict` validation: a cap of the scores (Gemma 2's) only where every layer is exact softmax."""
         cap = getattr(self, "attn_logit_softcapping", None)
-        if cap is not None:
+        if cap is None:
+            return
+        finite = [i for i in range(self.num_hidden_layers) if self.attention_spec(i).kind != "softmax"]
+        if finite:
             raise ValueError(
-                f"{self.model_type} has attn_logit_softcapping={cap}: its layers score q.k without a cap; expected "
-                "attn_logit_softcapping=None"
+                f"{self.model_type} has attn_logit_softcapping={cap}, which caps exact softmax scores, but layers "
+                f"{finite} are not exact softmax (the cap does not factor into a feature map or a finite state); "
+                "expected those layers kind='softmax' or attn_logit_softcapping=None"
             )
 
 
