@@ -244,6 +244,8 @@ def convert(
 
     A layer the source limits to its last `sliding_window` positions keeps that window where it stays exact
     softmax (`AttentionSpec(window=W)`); converted, it takes the spec it is given (logged at INFO).
+    A soft-capped model (Gemma 2's `attn_logit_softcapping`) keeps the cap in its exact softmax layers;
+    converting one of its layers to another kind raises (`check_softcapping`).
 
     The new parameters start where they change the model least (`RNNParams.reset_parameters`):
     gates open (weight 0, bias 5: sigmoid = 0.993 for every token), norm weight 1 and bias 0,
