@@ -101,7 +101,7 @@ def check_softcapping(config: PreTrainedConfig, layer_specs: Mapping[int, Attent
     and the choices."""
     cap = getattr(config, "attn_logit_softcapping", None)
     finite = [i for i, layer in layer_specs.items() if layer.kind != "softmax"]
-    if cap is not None and finite:
+    if cap is not None and finite and getattr(_family_of_config(config)[0], "softcapped_scores", False):
         raise ValueError(
             f"convert() keeps the attention logit soft-capping of this {config.model_type} model "
             f"(attn_logit_softcapping={cap}) in exact softmax layers only, but would convert layers {finite}: the "
@@ -113,11 +113,12 @@ def check_softcapping(config: PreTrainedConfig, layer_specs: Mapping[int, Attent
 def converted_model_type(config: PreTrainedConfig) -> str:
     """The `model_type` of what `convert` makes of a model of `config` (TypeError for one it does not take)."""
     check_convertible(config)
-    return next(
-        family[0].model_type
-        for source, family in FAMILIES.items()
-        if source.config_class.model_type == config.model_type
-    )
+    return _family_of_config(config)[0].model_type
+
+
+def _family_of_config(config: PreTrainedConfig) -> tuple[type, type[PreTrainedModel]]:
+    """(config class, model class) of the softmax_rnn counterpart of a model of `config` (a type `convert` takes)."""
+    return next(family for source, family in FAMILIES.items() if source.config_class.model_type == config.model_type)
 
 
 def source_attention_modules(model: PreTrainedModel) -> list[nn.Module]:

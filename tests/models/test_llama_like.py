@@ -376,6 +376,15 @@ def test_attention_soft_capping_is_refused_for_finite_state_layers_before_the_we
     assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE).attn_logit_softcapping is None
 
 
+def test_a_softcap_that_the_family_ignores_stays_ignored():
+    """Gemma 3's config has `attn_logit_softcapping`, which its attention does not apply: the converted layers do not
+    either (the original's logits), and no layer is refused for it."""
+    model_class, config = SOURCES["gemma3-local-global"]
+    source = model_class(Gemma3TextConfig(**{**config.to_dict(), "attn_logit_softcapping": 0.3})).eval()
+    assert_same_logits_and_generation(convert(source, "softmax"), source)
+    assert convert(source, "linear_elu").config.attn_logit_softcapping == 0.3
+
+
 def test_converted_configs_refuse_a_sliding_window():
     with pytest.raises(StrictDataclassClassValidationError, match="softmax_rnn_mistral has sliding_window=8"):
         LLAMA_LIKE_CONFIGS["Mistral"](**SHAPE, sliding_window=8)

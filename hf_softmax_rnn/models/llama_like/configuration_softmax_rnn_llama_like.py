@@ -22,8 +22,11 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: each layer's window
     lives in its spec (sliding-window softmax is `AttentionSpec(window=W)`), so the family's own
     `sliding_window` must be None and `layer_types` given to a family's config, Qwen2's or Qwen3's, may only
-    name full attention; and a cap of the scores (Gemma 2's `attn_logit_softcapping`) only where every layer
-    is exact softmax."""
+    name full attention; and a cap of the scores (Gemma 2's `attn_logit_softcapping`, where the family's
+    attention applies it: `softcapped_scores`) only where every layer is exact softmax."""
+
+    #: Whether the layers cap their scores at `attn_logit_softcapping` (`LlamaLikeFamily.softcapped_scores`).
+    softcapped_scores = False
 
     @property
     def layer_types(self) -> list[str]:
@@ -85,7 +88,7 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     def validate_attn_logit_softcapping(self) -> None:
         """Part of `@strict` validation: a cap of the scores (Gemma 2's) only where every layer is exact softmax."""
         cap = getattr(self, "attn_logit_softcapping", None)
-        if cap is None:
+        if cap is None or not self.softcapped_scores:
             return
         finite = [i for i in range(self.num_hidden_layers) if self.attention_spec(i).kind != "softmax"]
         if finite:
@@ -106,6 +109,7 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
     @strict
     class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
         model_type = family.model_type
+        softcapped_scores = family.softcapped_scores
 
         attention: dict | str | AttentionSpec | None = None
         layer_attention: dict | None = None

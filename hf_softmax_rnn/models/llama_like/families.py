@@ -76,7 +76,9 @@ class LlamaLikeFamily:
     attention's q/k/v projections (one name: a fused projection of q, then k, then v), where its
     q/k norms normalise (`QK_NORMS`; unused without norms) and whether its base model's `rotary_emb` takes
     each layer's `layer_types` entry to choose that layer's RoPE (`rope_per_layer_type`: Gemma 3's local
-    and global RoPE; the converted config keeps the source's entries in `rope_layer_types`)."""
+    and global RoPE; the converted config keeps the source's entries in `rope_layer_types`), and whether its
+    attention caps the scores at the config's `attn_logit_softcapping` (`softcapped_scores`: Gemma 2's does;
+    Gemma 3's config has the field, which its attention ignores)."""
 
     causal_lm: type[PreTrainedModel]
     base_model: type[PreTrainedModel]
@@ -85,6 +87,7 @@ class LlamaLikeFamily:
     qkv_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     qk_norm: str = "head"
     rope_per_layer_type: bool = False
+    softcapped_scores: bool = False
 
     def __post_init__(self) -> None:
         if len(self.qkv_projections) not in (1, 3):
@@ -127,7 +130,7 @@ LLAMA_LIKE_FAMILIES = (
     LlamaLikeFamily(Olmo2ForCausalLM, Olmo2Model, Olmo2DecoderLayer, Olmo2Attention, qk_norm="projection"),
     LlamaLikeFamily(GraniteForCausalLM, GraniteModel, GraniteDecoderLayer, GraniteAttention),
     LlamaLikeFamily(SmolLM3ForCausalLM, SmolLM3Model, SmolLM3DecoderLayer, SmolLM3Attention),
-    LlamaLikeFamily(Gemma2ForCausalLM, Gemma2Model, Gemma2DecoderLayer, Gemma2Attention),
+    LlamaLikeFamily(Gemma2ForCausalLM, Gemma2Model, Gemma2DecoderLayer, Gemma2Attention, softcapped_scores=True),
     LlamaLikeFamily(Gemma3ForCausalLM, Gemma3TextModel, Gemma3DecoderLayer, Gemma3Attention, rope_per_layer_type=True),
 )
 

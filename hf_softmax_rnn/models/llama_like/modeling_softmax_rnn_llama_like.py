@@ -104,7 +104,11 @@ def llama_like_model_classes(family: LlamaLikeFamily) -> tuple[type[PreTrainedMo
     """(`SoftmaxRNN<Family>Model`, `SoftmaxRNN<Family>ForCausalLM`): the family's base model and causal LM with
     `SoftmaxRNN<Family>Attention` in every decoder layer (their `post_init` swaps the attention modules)."""
     attention_class = llama_like_attention_class(
-        family.attention, __name__, qkv_projections=family.qkv_projections, qk_norm=family.qk_norm
+        family.attention,
+        __name__,
+        qkv_projections=family.qkv_projections,
+        qk_norm=family.qk_norm,
+        softcapped_scores=family.softcapped_scores,
     )
     classes = []
     for base, suffix in ((family.base_model, "Model"), (family.causal_lm, "ForCausalLM")):
