@@ -1,5 +1,5 @@
 """Turn a pretrained Llama, GPT-2 or model of a family of Llama's pattern (Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3, Gemma 2: `LLAMA_LIKE_FAMILIES`) into the
+Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3: `LLAMA_LIKE_FAMILIES`) into the
 matching softmax_rnn model with the same weights."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hf_softmax_rnn.models import (
     SoftmaxRNNLlamaConfig,
     SoftmaxRNNLlamaForCausalLM,
 )
-from hf_softmax_rnn.models.llama_like import sliding_window_layers
+from hf_softmax_rnn.models.llama_like import declares, sliding_window_layers
 from hf_softmax_rnn.models.modeling_softmax_rnn import SoftmaxRNNPreTrainedMixin
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ def _family(model: PreTrainedModel) -> tuple[type, type[PreTrainedModel]]:
 def check_convertible(config: PreTrainedConfig) -> None:
     """Refuse, from its config alone (before its weights load), a model `convert` does not take: TypeError
     naming its `model_type` and the types `convert` takes; ValueError for a model of such a type whose
-    attention the converted model cannot reproduce (cross-attention, bidirectional attention, soft-capped
-    attention scores), naming the setting."""
+    attention the converted model cannot reproduce (cross-attention, bidirectional attention), naming the
+    setting."""
     model_types = {source.config_class.model_type: source.__name__ for source in FAMILIES}
     if config.model_type not in model_types:
         raise TypeError(
@@ -93,24 +93,32 @@ def check_convertible(config: PreTrainedConfig) -> None:
             raise ValueError(
                 f"convert() takes causal self-attention only; this {config.model_type} model has {setting}={refused}"
             )
+
+
+def check_softcapping(config: PreTrainedConfig, layer_specs: Mapping[int, AttentionSpec]) -> None:
+    """Refuse a cap of the attention scores (Gemma 2's `attn_logit_softcapping`) where a layer would not be exact
+    softmax (the cap does not factor into a feature map or a finite state): ValueError naming the value, the layers
+    and the choices."""
     cap = getattr(config, "attn_logit_softcapping", None)
-    if cap is not None:
+    finite = [i for i, layer in layer_specs.items() if layer.kind != "softmax"]
+    if cap is not None and finite and getattr(_family_of_config(config)[0], "softcapped_scores", False):
         raise ValueError(
-            f"convert() cannot keep the attention logit soft-capping of this {config.model_type} model: "
-            f"attn_logit_softcapping={cap} is not supported (softmax_rnn layers score q.k without a cap, so the "
-            "converted model would differ); to convert it anyway, without the cap, load it with "
-            "attn_logit_softcapping=None"
+            f"convert() keeps the attention logit soft-capping of this {config.model_type} model "
+            f"(attn_logit_softcapping={cap}) in exact softmax layers only, but would convert layers {finite}: the "
+            "cap does not factor into a feature map or a finite state. Keep those layers exact (layers=[...]), or "
+            "convert the model without the cap: load it with attn_logit_softcapping=None"
         )
 
 
 def converted_model_type(config: PreTrainedConfig) -> str:
     """The `model_type` of what `convert` makes of a model of `config` (TypeError for one it does not take)."""
     check_convertible(config)
-    return next(
-        family[0].model_type
-        for source, family in FAMILIES.items()
-        if source.config_class.model_type == config.model_type
-    )
+    return _family_of_config(config)[0].model_type
+
+
+def _family_of_config(config: PreTrainedConfig) -> tuple[type, type[PreTrainedModel]]:
+    """(config class, model class) of the softmax_rnn counterpart of a model of `config` (a type `convert` takes)."""
+    return next(family for source, family in FAMILIES.items() if source.config_class.model_type == config.model_type)
 
 
 def source_attention_modules(model: PreTrainedModel) -> list[nn.Module]:
@@ -131,15 +139,17 @@ def _existing_folder_or_hub_id(path: str | os.PathLike) -> str:
     return name
 
 
-def _layer_overrides(
+def _layer_specs(
+    config: PreTrainedConfig,
     spec: AttentionSpec,
     layers: Iterable[int] | None,
     specs: Mapping[int, AttentionSpec | dict | str] | None,
-    num_layers: int,
-    sliding: Mapping[int, int],
-) -> dict[str, AttentionSpec | dict | str] | None:
-    """Exact softmax in every layer not listed in `layers`, `specs` in the converted layers it names; a layer
-    of `sliding` (index -> the source's window) that computes exact softmax keeps its sliding window."""
+) -> dict[int, AttentionSpec]:
+    """The spec of each layer of a model of `config`: exact softmax in every layer not listed in `layers`, `specs`
+    in the converted layers it names, `spec` in the others; a layer the source limits to its last
+    `sliding_window` positions that computes exact softmax keeps its sliding window."""
+    num_layers = config.num_hidden_layers
+    sliding = dict.fromkeys(sliding_window_layers(config), getattr(config, "sliding_window", None))
     converted = list(range(num_layers)) if layers is None else converted_layers(layers, num_layers)
     specs = {key: AttentionSpec.coerce(value) for key, value in dict(specs or {}).items()}
     outside = [key for key in specs if isinstance(key, bool) or not isinstance(key, int) or key not in converted]
@@ -161,8 +171,7 @@ def _layer_overrides(
                 window,
                 layer_specs[i].describe(),
             )
-    overrides = {str(i): layer for i, layer in layer_specs.items() if layer != spec}
-    return overrides or None
+    return layer_specs
 
 
 def converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
@@ -236,6 +245,8 @@ def convert(
 
     A layer the source limits to its last `sliding_window` positions keeps that window where it stays exact
     softmax (`AttentionSpec(window=W)`); converted, it takes the spec it is given (logged at INFO).
+    A soft-capped model (Gemma 2's `attn_logit_softcapping`) keeps the cap in its exact softmax layers;
+    converting one of its layers to another kind raises (`check_softcapping`).
 
     The new parameters start where they change the model least (`RNNParams.reset_parameters`):
     gates open (weight 0, bias 5: sigmoid = 0.993 for every token), norm weight 1 and bias 0,
@@ -249,10 +260,15 @@ def convert(
     source = model_or_path
     if isinstance(source, (str, os.PathLike)):
         name = _existing_folder_or_hub_id(source)
-        check_convertible(AutoConfig.from_pretrained(name, **from_pretrained_kwargs))
+        source_config = AutoConfig.from_pretrained(name, **from_pretrained_kwargs)
+        check_convertible(source_config)
+        if getattr(source_config, "attn_logit_softcapping", None) is not None:  # refused before the weights load
+            check_softcapping(source_config, _layer_specs(source_config, spec, layers, layer_attention))
         source = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     config_class, model_class = _family(source)
     check_convertible(source.config)
+    layer_specs = _layer_specs(source.config, spec, layers, layer_attention)
+    check_softcapping(source.config, layer_specs)
     if any(parameter.is_meta for parameter in source.parameters()):
         raise ValueError(
             f"convert() copies the weights of the model it is given, but this {type(source).__name__} has weights on "
@@ -260,13 +276,14 @@ def convert(
         )
 
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
-    sliding = dict.fromkeys(sliding_window_layers(source.config), fields.get("sliding_window"))
     if "sliding_window" in fields:
         fields["sliding_window"] = None  # the layers' specs hold their windows
+    if declares(config_class, "rope_layer_types"):  # one RoPE per layer type (Gemma 3): each layer keeps its own
+        fields["rope_layer_types"] = list(source.config.layer_types)
     config = config_class(
         **fields,
         attention=spec,
-        layer_attention=_layer_overrides(spec, layers, layer_attention, source.config.num_hidden_layers, sliding),
+        layer_attention={str(i): layer for i, layer in layer_specs.items() if layer != spec} or None,
         attention_mode=attention_mode,
     )
     with init.no_init_weights():  # every weight but rnn_params (initialised on construction) is loaded next

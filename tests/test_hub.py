@@ -14,6 +14,8 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -68,6 +70,18 @@ SOURCES = {
     ),
     "gemma2": lambda: Gemma2ForCausalLM(
         Gemma2Config(**LLAMA_SHAPE, head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=None)
+    ),
+    "gemma3": lambda: Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            **LLAMA_SHAPE,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        )
     ),
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**LLAMA_SHAPE, no_rope_layer_interval=2, pad_token_id=0)),
 }

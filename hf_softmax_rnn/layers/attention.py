@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -236,9 +236,11 @@ class SoftmaxRNNAttentionMixin:
     values are gated); the ops get the module's `scaling` as the softmax scale.
     Subclasses name the modules that make q, k and v in `QKV_PROJECTIONS` and compute them in
     `project_qkv`, so that a frozen copy of those weights can feed the transfer teacher.
+    Where `SOFTCAPPED_SCORES`, exact softmax caps the scores at `config.attn_logit_softcapping`.
     """
 
     QKV_PROJECTIONS: tuple[str, ...] = ()
+    SOFTCAPPED_SCORES = False
 
     def init_softmax_rnn(
         self,
@@ -330,6 +332,9 @@ class SoftmaxRNNAttentionMixin:
         common = dict(
             attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
         )
+        softcap = getattr(self.config, "attn_logit_softcapping", None) if self.SOFTCAPPED_SCORES else None
+        if softcap is not None:  # (exact softmax layers only: the config refuses it elsewhere)
+            common["softcap"] = softcap
         spec = self.attention_spec
         if cache is None:
             out, _ = attention(
@@ -466,6 +471,8 @@ class SoftmaxRNNLlamaLikeAttentionMixin(SoftmaxRNNAttentionMixin):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
         if getattr(self, "use_rope", True):
+            if isinstance(position_embeddings, Mapping):  # one RoPE per layer type (Gemma 3)
+                position_embeddings = position_embeddings[self.config.rope_layer_types[self.layer_idx]]
             cos, sin = position_embeddings
             query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
@@ -483,11 +490,13 @@ def llama_like_attention_class(
     *,
     qkv_projections: tuple[str, ...] = SoftmaxRNNLlamaLikeAttentionMixin.QKV_PROJECTIONS,
     qk_norm: str = SoftmaxRNNLlamaLikeAttentionMixin.QK_NORM,
+    softcapped_scores: bool = False,
 ) -> type[nn.Module]:
     """`SoftmaxRNN<attention_class>`, defined in `module`: `attention_class` (a module of Llama's pattern, see
     `SoftmaxRNNLlamaLikeAttentionMixin`) computing `config.attention_spec(layer_idx)`, with the RoPE function of
-    `attention_class`'s modeling file, its q/k/v projections `qkv_projections` (three names, or one fused) and
-    its q/k norms over `qk_norm` ("head" or "projection")."""
+    `attention_class`'s modeling file, its q/k/v projections `qkv_projections` (three names, or one fused),
+    its q/k norms over `qk_norm` ("head" or "projection") and its scores capped at the config's
+    `attn_logit_softcapping` where `softcapped_scores`."""
     name = f"SoftmaxRNN{attention_class.__name__}"
     rotary = sys.modules[attention_class.__module__].apply_rotary_pos_emb
     namespace = {
@@ -497,6 +506,7 @@ def llama_like_attention_class(
         "apply_rotary_pos_emb": staticmethod(rotary),
         "QKV_PROJECTIONS": tuple(qkv_projections),
         "QK_NORM": qk_norm,
+        "SOFTCAPPED_SCORES": softcapped_scores,
     }
     return type(name, (SoftmaxRNNLlamaLikeAttentionMixin, attention_class), namespace)
 

@@ -10,7 +10,7 @@ import torch
 
 from hf_softmax_rnn.attention_spec import DEFAULT_MAX_STATE_BYTES, AttentionSpec
 from hf_softmax_rnn.ops.backends import polynomial_backend, window_backend
-from hf_softmax_rnn.ops.checks import INPUT_DTYPES, check_arguments, check_inputs, check_state
+from hf_softmax_rnn.ops.checks import INPUT_DTYPES, check_arguments, check_inputs, check_softcap, check_state
 from hf_softmax_rnn.ops.decay import MIN_LOG_DECAY
 from hf_softmax_rnn.ops.delta import parallel_delta_values, read_with_mass
 from hf_softmax_rnn.ops.feature_maps import build_kernel
@@ -81,6 +81,7 @@ def attention(
     return_state: bool = True,
     update_state_in_place: bool = False,
     io_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -116,6 +117,9 @@ def attention(
             differ, as SDPA's may (q and k leave RoPE in float32, v its projection in bfloat16), and are
             cast to their promoted dtype first. The PyTorch forms compute in that dtype, float32 at
             least, whatever `io_dtype` is.
+        softcap: c > 0 caps the scaled scores s of exact softmax at c tanh(s / c) (Gemma 2's
+            `attn_logit_softcapping`); spec kind "softmax" only (the cap does not factor into a finite
+            state). None: no cap.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
@@ -135,6 +139,7 @@ def attention(
         max_state_bytes,
         {"return_state": return_state, "update_state_in_place": update_state_in_place},
     )
+    check_softcap(softcap, spec)
     gates, params = gates or {}, params or AttentionParams()
     check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
     if io_dtype is not None and io_dtype not in INPUT_DTYPES:
@@ -176,7 +181,7 @@ def attention(
     if spec.kind == "softmax" or exact_hybrid:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         window = spec.window if spec.kind == "softmax" else None  # a hybrid's keys here are all exact
-        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale, window)
+        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale, window, softcap)
         if spec.output_gate and spec.output_gate_position == "after_norm":  # (before the softmax normaliser: inert)
             out = out * gates["output"].unsqueeze(-1).to(out.dtype)
         if exact_hybrid and torch.is_grad_enabled():

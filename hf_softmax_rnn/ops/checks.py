@@ -94,6 +94,19 @@ def check_arguments(gates, params, scale, max_state_bytes, switches: dict[str, o
         )
 
 
+def check_softcap(softcap, spec) -> None:
+    """`softcap` is None or a finite number > 0, and only for exact softmax (spec kind "softmax")."""
+    if softcap is None:
+        return
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"attention: softcap={softcap!r} is not allowed; expected None or a finite number > 0")
+    if spec.kind != "softmax":
+        raise ValueError(
+            f"attention: softcap={softcap} caps exact softmax scores, but the spec has kind={spec.kind!r} "
+            "(the cap does not factor into a feature map or a finite state); expected kind='softmax' or softcap=None"
+        )
+
+
 def _is_attention_params(params) -> bool:
     """An `AttentionParams`, of this module or of another copy of it (remote code loads one)."""
     return isinstance(params, AttentionParams) or type(params).__name__ == AttentionParams.__name__

@@ -1,5 +1,5 @@
 """The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite, SmolLM3,
-Gemma 2): converted models against the unmodified transformers models they come from."""
+Gemma 2, Gemma 3): converted models against the unmodified transformers models they come from."""
 
 import copy
 import logging
@@ -15,6 +15,8 @@ from transformers import (
     BertConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GraniteConfig,
     GraniteForCausalLM,
@@ -54,10 +56,22 @@ GRANITE_MULTIPLIERS = dict(
 #: Gemma 2 as it converts: every layer full attention, no attention soft-capping; its own softmax scale
 #: (`query_pre_attn_scalar` 4 instead of head_dim 8) and the final logit soft-capping of its own code.
 GEMMA2 = dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None, query_pre_attn_scalar=4)
+#: Gemma 2 with its attention soft-capping, at 0.3 so that it bends these small scores; a sliding layer 0.
+GEMMA2_SOFTCAP = {**GEMMA2, "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 0.3}
+#: Gemma 3 with a local (sliding-window) layer and a global one, whose RoPEs differ (theta 10 and 10^6): its own
+#: softmax scale (`query_pre_attn_scalar` 4) and q/k norms.
+GEMMA3 = dict(
+    layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=4,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    },
+)
 #: id -> (source class, its config): tied and untied embeddings, attention biases (Qwen2's own; Qwen3's
 #: `attention_bias`), q/k norms per head (Qwen3, Qwen3-MoE) and over the projection (OLMo 2), experts (Qwen3-MoE,
 #: Mixtral), a fused qkv_proj with RoPE on half of each head (Phi-3), Granite's multipliers, and SmolLM3's NoPE
-#: layers (layer 1 of 2 without RoPE), Gemma 2's scale.
+#: layers (layer 1 of 2 without RoPE), Gemma 2's scale, Gemma 3's local and global RoPE (a window of 4).
 SOURCES = {
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
     "mistral-tied": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None, tie_word_embeddings=True)),
@@ -80,6 +94,11 @@ SOURCES = {
     ),
     "gemma2-tied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, final_logit_softcapping=30.0)),
     "gemma2-untied": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2, tie_word_embeddings=False)),
+    "gemma3-local-global": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4)),
+    "gemma3-untied": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4, tie_word_embeddings=False),
+    ),
 }
 FINITE_STATE_SPECS = {
     "linear_elu": "linear_elu",
@@ -205,6 +224,8 @@ SLIDING = {
         Gemma2Config(**SHAPE, **{**GEMMA2, "layer_types": ["sliding_attention", "full_attention"]}, sliding_window=4),
         [0],
     ),
+    "gemma3-layer-0": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, **GEMMA3, sliding_window=4), [0]),
+    "gemma2-softcap-layer-0": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, **GEMMA2_SOFTCAP, sliding_window=4), [0]),
 }
 
 
@@ -241,6 +262,32 @@ def test_a_sliding_layer_left_exact_in_a_hybrid_keeps_its_window(caplog):
     assert "Layer 1 attends to the last 4 positions in the source model" in caplog.text
 
 
+@pytest.mark.parametrize("spec", ["softmax", "linear_elu"])
+def test_each_layer_keeps_the_rope_of_its_source_layer_type(spec):
+    """Gemma 3's converted layers rotate q and k as the source's layer of that type does: a layer 0 of the local
+    RoPE (theta 10) and a layer 1 of the global one (theta 10^6), both exact or both converted."""
+    model_class, config = SOURCES["gemma3-local-global"]
+    converted = convert(model_class(copy.deepcopy(config)).eval(), spec)
+    assert converted.config.rope_layer_types == ["sliding_attention", "full_attention"]
+    hidden = torch.randn(1, 5, SHAPE["hidden_size"])
+    positions = torch.arange(5)[None]
+    for layer, theta in ((0, 10.0), (1, 1e6)):
+        attention = converted.model.layers[layer].self_attn
+        rope = converted.model.rotary_emb(hidden, positions)
+        query, _, _ = attention.project_qkv(hidden, rope)
+        plain_query, _, _ = attention.project_qkv(hidden, (torch.ones(1, 5, 8), torch.zeros(1, 5, 8)))
+        angle = positions[0, :, None] * theta ** -(torch.arange(0, 8, 2) / 8)
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        rotated = plain_query * cos + torch.cat([-plain_query[..., 4:], plain_query[..., :4]], -1) * sin
+        torch.testing.assert_close(query, rotated, atol=1e-6, rtol=0)
+
+
+def test_rope_layer_types_name_keys_of_rope_parameters():
+    with pytest.raises(StrictDataclassClassValidationError, match=r"rope_layer_types=\['local', 'full_attention'\]"):
+        LLAMA_LIKE_CONFIGS["Gemma3"](**SHAPE, rope_layer_types=["local", "full_attention"])
+    assert LLAMA_LIKE_CONFIGS["Gemma3"](**SHAPE).rope_layer_types == ["full_attention"] * 2
+
+
 def test_a_sliding_window_that_no_layer_uses_is_dropped():
     config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=2)
     assert config.sliding_window == 16 and "sliding_attention" not in config.layer_types
@@ -252,49 +299,41 @@ def test_a_sliding_window_that_no_layer_uses_is_dropped():
 
 
 @pytest.mark.parametrize(
-    ("model_class", "config", "full_attention", "hint"),
+    ("model_class", "config", "full_attention"),
     [
         (
             MistralForCausalLM,
             MistralConfig(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            None,
         ),
         (
             Qwen2ForCausalLM,
             Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1),
             dict(layer_types=["full_attention"] * 2),
-            None,
         ),
         (
             Phi3ForCausalLM,
             Phi3Config(**SHAPE, sliding_window=16),
             dict(sliding_window=None),
-            None,
         ),
         (
             SmolLM3ForCausalLM,
             SmolLM3Config(**SHAPE, use_sliding_window=True, sliding_window=16, no_rope_layer_interval=2),
             dict(layer_types=["full_attention"] * 2),
-            None,
         ),
         (
             Gemma2ForCausalLM,
             Gemma2Config(**SHAPE),
-            dict(layer_types=["full_attention"] * 2, attn_logit_softcapping=None),
-            "attn_logit_softcapping=None",
+            dict(layer_types=["full_attention"] * 2),
         ),
     ],
     ids=["mistral", "qwen2", "phi3", "smollm3", "gemma2"],
 )
-def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, hint, tmp_path):
-    """A model loaded as full attention (`sliding_window=None`, or full-attention `layer_types`; no soft-capping,
-    which the refusal names) converts as the full-attention model transformers loads with them (on the tokens:
+def test_a_model_loaded_as_full_attention_converts(model_class, config, full_attention, tmp_path):
+    """A model loaded as full attention (`sliding_window=None`, or full-attention `layer_types`; Gemma 2 with its
+    soft-capping of 50) converts as the full-attention model transformers loads with them (on the tokens:
     Gemma 2's eager attention gives padded positions other values)."""
     model_class(config).save_pretrained(tmp_path)
-    if hint is not None:
-        with pytest.raises(ValueError, match=re.escape(f"load it with {hint}")):
-            convert(tmp_path, "softmax")
     converted = convert(tmp_path, "softmax", **full_attention)
     reference = model_class.from_pretrained(tmp_path, **full_attention).eval()
     ids, mask = left_padded_batch(lengths=(24, 12))
@@ -304,17 +343,46 @@ def test_a_model_loaded_as_full_attention_converts(model_class, config, full_att
     torch.testing.assert_close(logits(converted, ids, mask)[visible], expected, atol=2e-6, rtol=0)
 
 
-def test_attention_soft_capping_is_refused_from_the_config_before_the_weights_load(tmp_path):
+def test_attention_soft_capping_is_kept_in_exact_softmax_layers():
+    """A softmax conversion of a soft-capped Gemma 2 caps its scores as the original does (the sliding-window
+    test above compares the logits and greedy tokens); without the cap the logits move."""
+    source = Gemma2ForCausalLM(Gemma2Config(**SHAPE, **GEMMA2_SOFTCAP, sliding_window=4)).eval()
+    converted = convert(source, "softmax")
+    assert converted.config.attn_logit_softcapping == 0.3
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    capped = logits(converted, ids, mask)[visible]
+    torch.testing.assert_close(capped, logits(source, ids, mask)[visible], atol=2e-6, rtol=0)
+    converted.config.attn_logit_softcapping = None
+    assert (logits(converted, ids, mask)[visible] - capped).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("layers", [None, [1]], ids=["all-layers", "layer-1"])
+def test_attention_soft_capping_is_refused_for_finite_state_layers_before_the_weights_load(layers, tmp_path):
     config = Gemma2Config(**SHAPE, layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
-    message = r"attn_logit_softcapping=50.0 is not supported .* load it with attn_logit_softcapping=None"
-    with pytest.raises(ValueError, match=message):
-        check_convertible(config)
+    converted = "[0, 1]" if layers is None else "[1]"
+    message = (
+        rf"attn_logit_softcapping=50.0\) in exact softmax layers only, but would convert layers {re.escape(converted)}"
+        r".* load it with attn_logit_softcapping=None"
+    )
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
-        convert(tmp_path, "linear_elu")
-    with pytest.raises(StrictDataclassClassValidationError, match="softmax_rnn_gemma2 has attn_logit_softcapping=50.0"):
-        LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0)
+        convert(tmp_path, "linear_elu", layers=layers)
+    with pytest.raises(ValueError, match=message):
+        convert(Gemma2ForCausalLM(config), "linear_elu", layers=layers)
+    with pytest.raises(StrictDataclassClassValidationError, match=r"attn_logit_softcapping=50.0, .* layers \[0, 1\]"):
+        LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attention="linear_elu", attn_logit_softcapping=50.0)
+    assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0).attn_logit_softcapping == 50.0
     assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE).attn_logit_softcapping is None
+
+
+def test_a_softcap_that_the_family_ignores_stays_ignored():
+    """Gemma 3's config has `attn_logit_softcapping`, which its attention does not apply: the converted layers do not
+    either (the original's logits), and no layer is refused for it."""
+    model_class, config = SOURCES["gemma3-local-global"]
+    source = model_class(Gemma3TextConfig(**{**config.to_dict(), "attn_logit_softcapping": 0.3})).eval()
+    assert_same_logits_and_generation(convert(source, "softmax"), source)
+    assert convert(source, "linear_elu").config.attn_logit_softcapping == 0.3
 
 
 def test_converted_configs_refuse_a_sliding_window():

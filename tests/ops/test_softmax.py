@@ -68,3 +68,35 @@ def test_fully_padded_rows_are_zero_not_nan():
         out, _ = attention(q, k, v, spec, attention_mask=mask)
         assert torch.isfinite(out).all()
         assert out[0, :, :3].abs().max() == 0
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("query_len", [10, 1], ids=lambda n: f"q{n}")
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window4"])
+def test_soft_capped_scores_match_the_reference_and_bend_the_scores(padded, query_len, window):
+    """softcap c: c tanh(s / c) of each scaled score, as the float64 reference computes it (fully padded rows
+    zero), in the full and the sliding-window form and for queries at the end (decoding from a KV cache)."""
+    q, k, v, _ = make_inputs(length=10, dtype=torch.float32)
+    q = 4 * q[..., -query_len:, :]  # scores of several units: a cap of 0.5 bends them
+    mask = left_padding_mask(2, 10, [0, 4]) if padded else None
+    key_mask = None if mask is None else mask.bool()
+    out, _ = attention(q, k, v, AttentionSpec(window=window), attention_mask=mask, softcap=0.5)
+    reference = softmax_attention_reference(q, k, v, key_mask, 8**-0.5, window, softcap=0.5)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-6)
+    uncapped = softmax_attention_reference(q, k, v, key_mask, 8**-0.5, window)
+    assert (uncapped - reference).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("softcap", "spec", "message"),
+    [
+        (0.0, AttentionSpec(), r"softcap=0.0 is not allowed; expected None or a finite number > 0"),
+        (float("inf"), AttentionSpec(), r"softcap=inf is not allowed"),
+        (50.0, AttentionSpec.from_preset("linear_elu"), r"softcap=50.0 caps exact softmax scores, .*kind='linear'"),
+    ],
+    ids=["zero", "infinite", "finite-state"],
+)
+def test_a_softcap_is_refused_outside_exact_softmax_or_out_of_range(softcap, spec, message):
+    q, k, v, _ = make_inputs(length=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        attention(q, k, v, spec, softcap=softcap)

@@ -13,6 +13,8 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     Olmo2Config,
@@ -74,6 +76,14 @@ FAMILY_RUNS = {
             attn_logit_softcapping=None,
         ),
         "lora",
+        ["q_proj", "k_proj"],
+    ),
+    "gemma3-local-global-full": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **FAMILY_SHAPE, head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8
+        ),
+        "full",
         ["q_proj", "k_proj"],
     ),
 }

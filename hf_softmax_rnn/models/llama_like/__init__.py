@@ -1,5 +1,5 @@
 """The families of Llama's pattern (Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, Granite,
-SmolLM3, Gemma 2) with the paper's attention."""
+SmolLM3, Gemma 2, Gemma 3) with the paper's attention."""
 
 from hf_softmax_rnn.models.llama_like.configuration_softmax_rnn_llama_like import LLAMA_LIKE_CONFIGS
 from hf_softmax_rnn.models.llama_like.families import (

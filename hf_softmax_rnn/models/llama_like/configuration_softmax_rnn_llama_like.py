@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -20,12 +22,47 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     """What the configs of the families of Llama's pattern add to `SoftmaxRNNConfigMixin`: each layer's window
     lives in its spec (sliding-window softmax is `AttentionSpec(window=W)`), so the family's own
     `sliding_window` must be None and `layer_types` given to a family's config, Qwen2's or Qwen3's, may only
-    name full attention; and the layers score q.k without a cap (Gemma 2's `attn_logit_softcapping` must be
-    None)."""
+    name full attention; and a cap of the scores (Gemma 2's `attn_logit_softcapping`, where the family's
+    attention applies it: `softcapped_scores`) only where every layer is exact softmax."""
+
+    #: Whether the layers cap their scores at `attn_logit_softcapping` (`LlamaLikeFamily.softcapped_scores`).
+    softcapped_scores = False
 
     @property
     def layer_types(self) -> list[str]:
+        if self.__dict__.get("_building_family_modules"):
+            return list(self.rope_layer_types)
         return SoftmaxRNNConfigMixin.layer_types.fget(self)
+
+    @contextlib.contextmanager
+    def rope_layer_types_as_layer_types(self) -> Iterator[None]:
+        """While the family's own modules are built: `layer_types` gives `rope_layer_types` (the source's entries),
+        by which a rotary embedding of one RoPE per layer type (Gemma 3's) builds each of them."""
+        building = self.__dict__.get("_building_family_modules", False)
+        self.__dict__["_building_family_modules"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_building_family_modules"] = building
+
+    @property
+    def _rope_type_labels(self) -> tuple[str, ...]:
+        """The keys of a `rope_parameters` nested by layer type: those `rope_layer_types` names, where the family
+        has them (transformers would look for them in `layer_types`, which here name cache layouts)."""
+        return tuple(dict.fromkeys(getattr(self, "rope_layer_types", None) or ()))
+
+    def validate_rope_layer_types(self) -> None:
+        """Part of `@strict` validation: one `rope_parameters` key per layer, where the family has them."""
+        rope_layer_types = getattr(self, "rope_layer_types", None)
+        if rope_layer_types is None:
+            return
+        known = sorted(self.rope_parameters or {})
+        unknown = sorted({kind for kind in rope_layer_types if kind not in known})
+        if len(rope_layer_types) != self.num_hidden_layers or unknown:
+            raise ValueError(
+                f"{self.model_type} has rope_layer_types={rope_layer_types}: expected one entry per layer "
+                f"({self.num_hidden_layers}), each a key of rope_parameters {known}"
+            )
 
     @layer_types.setter
     def layer_types(self, value: list[str] | None) -> None:
@@ -49,23 +86,30 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
             )
 
     def validate_attn_logit_softcapping(self) -> None:
-        """Part of `@strict` validation."""
+        """Part of `@strict` validation: a cap of the scores (Gemma 2's) only where every layer is exact softmax."""
         cap = getattr(self, "attn_logit_softcapping", None)
-        if cap is not None:
+        if cap is None or not self.softcapped_scores:
+            return
+        finite = [i for i in range(self.num_hidden_layers) if self.attention_spec(i).kind != "softmax"]
+        if finite:
             raise ValueError(
-                f"{self.model_type} has attn_logit_softcapping={cap}: its layers score q.k without a cap; expected "
-                "attn_logit_softcapping=None"
+                f"{self.model_type} has attn_logit_softcapping={cap}, which caps exact softmax scores, but layers "
+                f"{finite} are not exact softmax (the cap does not factor into a feature map or a finite state); "
+                "expected those layers kind='softmax' or attn_logit_softcapping=None"
             )
 
 
 def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
     """`SoftmaxRNN<Family>Config`: the family's config plus the attention choice (`attention`,
     `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window` and
-    `attn_logit_softcapping` None by default."""
+    `attn_logit_softcapping` None by default; for a family with one RoPE per layer type, `rope_layer_types`: the
+    key of `rope_parameters` each layer rotates q and k with (the source's `layer_types`; None: every layer
+    the full-attention RoPE)."""
 
     @strict
     class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
         model_type = family.model_type
+        softcapped_scores = family.softcapped_scores
 
         attention: dict | str | AttentionSpec | None = None
         layer_attention: dict | None = None
@@ -74,9 +118,13 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
             sliding_window: int | None = None
         if declares(family.config_class, "attn_logit_softcapping"):
             attn_logit_softcapping: float | None = None
+        if family.rope_per_layer_type:
+            rope_layer_types: list[str] | None = None
 
         def __post_init__(self, **kwargs: Any) -> None:
             self.validate_attention()
+            if family.rope_per_layer_type and self.rope_layer_types is None:
+                self.rope_layer_types = [KV_LAYER_TYPE] * self.num_hidden_layers
             super().__post_init__(**kwargs)
 
     name = f"SoftmaxRNN{family.name}Config"

@@ -4,12 +4,13 @@ A family fits when its attention module has q_proj, k_proj, v_proj (or one fused
 and o_proj, applies RoPE with its modeling file's `apply_rotary_pos_emb` (after an optional RMSNorm
 of the queries and keys, `q_norm` / `k_norm`, per head as in Qwen3 or over the whole projection as in
 OLMo 2; skipped in a layer whose module has `use_rope` false, SmolLM3's NoPE layers), scales q.k by
-its module's `scaling` (Granite's `attention_multiplier`, Gemma 2's `query_pre_attn_scalar`), is built
-as `Attention(config, layer_idx)` and sits at `self_attn` of its decoder layers; the rest of the model
-(MLP or mixture of experts, norms, embeddings and their multipliers, Gemma 2's final logit
-soft-capping) stays as it is. The softmax_rnn config, model and attention
-classes of each family are made from its line (`configuration_softmax_rnn_llama_like`,
-`modeling_softmax_rnn_llama_like`).
+its module's `scaling` (Granite's `attention_multiplier`, Gemma 2's and Gemma 3's `query_pre_attn_scalar`),
+is built as `Attention(config, layer_idx)` and sits at `self_attn` of its decoder layers; the rest of the
+model (MLP or mixture of experts, norms, embeddings and their multipliers, Gemma 2's final logit
+soft-capping) stays as it is. A family whose rotary embedding gives each layer type its own RoPE (Gemma 3's
+`rope_parameters["sliding_attention"]`) keeps that choice per layer (`rope_per_layer_type`). The
+softmax_rnn config, model and attention classes of each family are made from its line
+(`configuration_softmax_rnn_llama_like`, `modeling_softmax_rnn_llama_like`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from transformers.models.gemma2.modeling_gemma2 import (
     Gemma2DecoderLayer,
     Gemma2ForCausalLM,
     Gemma2Model,
+)
+from transformers.models.gemma3.modeling_gemma3 import (
+    Gemma3Attention,
+    Gemma3DecoderLayer,
+    Gemma3ForCausalLM,
+    Gemma3TextModel,
 )
 from transformers.models.granite.modeling_granite import (
     GraniteAttention,
@@ -66,8 +73,12 @@ QK_NORMS = ("head", "projection")
 @dataclasses.dataclass(frozen=True)
 class LlamaLikeFamily:
     """The transformers classes of one family: its causal LM, base model, decoder layer and attention; the
-    attention's q/k/v projections (one name: a fused projection of q, then k, then v) and where its
-    q/k norms normalise (`QK_NORMS`; unused without norms)."""
+    attention's q/k/v projections (one name: a fused projection of q, then k, then v), where its
+    q/k norms normalise (`QK_NORMS`; unused without norms) and whether its base model's `rotary_emb` takes
+    each layer's `layer_types` entry to choose that layer's RoPE (`rope_per_layer_type`: Gemma 3's local
+    and global RoPE; the converted config keeps the source's entries in `rope_layer_types`), and whether its
+    attention caps the scores at the config's `attn_logit_softcapping` (`softcapped_scores`: Gemma 2's does;
+    Gemma 3's config has the field, which its attention ignores)."""
 
     causal_lm: type[PreTrainedModel]
     base_model: type[PreTrainedModel]
@@ -75,6 +86,8 @@ class LlamaLikeFamily:
     attention: type[nn.Module]
     qkv_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     qk_norm: str = "head"
+    rope_per_layer_type: bool = False
+    softcapped_scores: bool = False
 
     def __post_init__(self) -> None:
         if len(self.qkv_projections) not in (1, 3):
@@ -117,7 +130,8 @@ LLAMA_LIKE_FAMILIES = (
     LlamaLikeFamily(Olmo2ForCausalLM, Olmo2Model, Olmo2DecoderLayer, Olmo2Attention, qk_norm="projection"),
     LlamaLikeFamily(GraniteForCausalLM, GraniteModel, GraniteDecoderLayer, GraniteAttention),
     LlamaLikeFamily(SmolLM3ForCausalLM, SmolLM3Model, SmolLM3DecoderLayer, SmolLM3Attention),
-    LlamaLikeFamily(Gemma2ForCausalLM, Gemma2Model, Gemma2DecoderLayer, Gemma2Attention),
+    LlamaLikeFamily(Gemma2ForCausalLM, Gemma2Model, Gemma2DecoderLayer, Gemma2Attention, softcapped_scores=True),
+    LlamaLikeFamily(Gemma3ForCausalLM, Gemma3TextModel, Gemma3DecoderLayer, Gemma3Attention, rope_per_layer_type=True),
 )
 
 
@@ -129,7 +143,7 @@ def declares(config_class: type[PreTrainedConfig], name: str) -> bool:
 def sliding_window_layers(config: PreTrainedConfig) -> list[int]:
     """The layers in which a model of a family's `config` attends to only the last `config.sliding_window`
     positions, when that is set: those whose `layer_types` entry is "sliding_attention" where the config has
-    `layer_types` (Qwen2, Qwen3, SmolLM3, Gemma 2), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3); none
+    `layer_types` (Qwen2, Qwen3, SmolLM3, Gemma 2, Gemma 3), else every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3); none
     for a config without `sliding_window` (Llama, GPT-2)."""
     if getattr(config, "sliding_window", None) is None:
         return []

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
@@ -50,16 +52,46 @@ def _mask_per_layer_type(base_model: PreTrainedModel, args: tuple, kwargs: dict)
     return args, {**kwargs, "attention_mask": masks}
 
 
+class RotaryEmbeddingPerLayer(nn.Module):
+    """A base model's `rotary_emb` of one RoPE per layer type (Gemma 3's local and global RoPE), for a model whose
+    `layer_types` name cache layouts instead: asked for any layer type, it gives every RoPE,
+    {`rope_layer_types` entry: (cos, sin) `[B, L, D]`}, and each attention module takes its layer's."""
+
+    def __init__(self, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.rotary_emb = rotary_emb
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {kind: self.rotary_emb(x, position_ids, kind) for kind in self.rotary_emb.layer_types}
+
+
+class RopePerLayerTypeMixin:
+    """Builds the family's modules while `config.layer_types` gives the source's entries (`rope_layer_types`),
+    so that its rotary embedding makes every RoPE the layers use; `post_init` then wraps that embedding
+    (`RotaryEmbeddingPerLayer`)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        with config.rope_layer_types_as_layer_types():
+            super().__init__(config, *args, **kwargs)
+
+
 class SoftmaxRNNLlamaLikePreTrainedMixin(SoftmaxRNNPreTrainedMixin):
     """`SoftmaxRNNPreTrainedMixin` for the classes of `llama_like_family`; where its base model looks up each
     layer's mask by `config.layer_types`, `post_init` also gives it every layer type's mask
-    (`_mask_per_layer_type`)."""
+    (`_mask_per_layer_type`); where the family has one RoPE per layer type, it gives each layer its own
+    (`RotaryEmbeddingPerLayer`)."""
 
     llama_like_family: LlamaLikeFamily
 
     def post_init(self) -> None:
         super().post_init()
         family = self.llama_like_family
+        if family.rope_per_layer_type:
+            for module in self.modules():
+                if isinstance(module, family.base_model) and not isinstance(module.rotary_emb, RotaryEmbeddingPerLayer):
+                    module.rotary_emb = RotaryEmbeddingPerLayer(module.rotary_emb)
         if not family.has_layer_types:
             return
         for module in self.modules():
@@ -72,7 +104,11 @@ def llama_like_model_classes(family: LlamaLikeFamily) -> tuple[type[PreTrainedMo
     """(`SoftmaxRNN<Family>Model`, `SoftmaxRNN<Family>ForCausalLM`): the family's base model and causal LM with
     `SoftmaxRNN<Family>Attention` in every decoder layer (their `post_init` swaps the attention modules)."""
     attention_class = llama_like_attention_class(
-        family.attention, __name__, qkv_projections=family.qkv_projections, qk_norm=family.qk_norm
+        family.attention,
+        __name__,
+        qkv_projections=family.qkv_projections,
+        qk_norm=family.qk_norm,
+        softcapped_scores=family.softcapped_scores,
     )
     classes = []
     for base, suffix in ((family.base_model, "Model"), (family.causal_lm, "ForCausalLM")):
@@ -85,7 +121,8 @@ def llama_like_model_classes(family: LlamaLikeFamily) -> tuple[type[PreTrainedMo
             "attention_slot": (family.decoder_layer, "self_attn", attention_class),
             "llama_like_family": family,
         }
-        classes.append(type(name, (SoftmaxRNNLlamaLikePreTrainedMixin, base), namespace))
+        mixins = (RopePerLayerTypeMixin,) if family.rope_per_layer_type else ()
+        classes.append(type(name, (*mixins, SoftmaxRNNLlamaLikePreTrainedMixin, base), namespace))
     return classes[0], classes[1]
 
 
