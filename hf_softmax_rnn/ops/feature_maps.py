@@ -19,10 +19,18 @@ from hf_softmax_rnn.ops.taylor import TaylorKernel
 
 ElementwiseFn = Callable[[torch.Tensor], torch.Tensor]
 
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """elu(x) + 1: x + 1 for x > 0, e^x otherwise, taken as e^x where `F.elu(x) + 1` adds 1 to e^x - 1, which
+    leaves nothing of e^x below about -17 (float32) or -37 (float64): every feature of a negative key 0, and the
+    keys' weights 0 / 0. (e^min(x, 0): no inf for the branch not taken, whose gradient would then be NaN.)"""
+    return torch.where(x > 0, x + 1.0, torch.exp(x.clamp_max(0.0)))
+
+
 #: name -> phi of the elementwise maps.
 ELEMENTWISE_MAPS: dict[str, ElementwiseFn] = {
     "identity": lambda x: x.clone(),
-    "elu": lambda x: F.elu(x) + 1.0,
+    "elu": elu_plus_one,
     "relu": F.relu,
 }
 
