@@ -168,6 +168,8 @@ def attention(
             log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
         log_decay = log_decay.clamp_min(MIN_LOG_DECAY)
     strength = gates.get("delta")
+    if strength is not None and attention_mask is not None:  # (padding writes nothing, whatever it holds)
+        strength = strength.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
 

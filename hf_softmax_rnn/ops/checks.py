@@ -132,6 +132,7 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
     _check_gates(gates, q, k, spec)
+    check_gate_values(gates, attention_mask)
     _check_params(params, q, v, spec)
     if spec.effective_feature_map == "hedgehog":
         _check_hedgehog_maps(params, q, k, spec)
@@ -201,6 +202,38 @@ def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: Attenti
         )
     _check_decay(gates.get("decay"), k, spec)
     _check_delta(gates.get("delta"), k, spec)
+
+
+#: gate name -> (lowest, highest) value it may hold at a token, and what that range is.
+GATE_RANGES: dict[str, tuple[float, float, str]] = {
+    "output": (0.0, 1.0, "sigmoid gate values in [0, 1]"),
+    "decay": (float("-inf"), 0.0, "log-decays <= 0 (-inf: forget the state)"),
+    "delta": (0.0, 1.0, "write strengths in [0, 1]"),
+}
+
+
+def check_gate_values(gates: Mapping[str, torch.Tensor], attention_mask: torch.Tensor | None = None) -> None:
+    """Each gate holds values of its range (`GATE_RANGES`, NaN outside every one) at the tokens of
+    `attention_mask` (padding may hold anything: it is never read); one that does not raises, naming the value
+    and where it is. The gates' shapes are checked. Reads the values (one reduction a gate) outside torch.compile
+    and CUDA graph capture, as `check_padding_mask` does."""
+    if torch.compiler.is_compiling():
+        return
+    for name, gate in gates.items():
+        if gate.device.type == "meta" or (gate.is_cuda and torch.cuda.is_current_stream_capturing()):
+            continue
+        low, high, allowed = GATE_RANGES[name]
+        tokens = None if attention_mask is None else attention_mask[:, -gate.shape[-1] :].bool()[:, None, :]
+        read = gate if tokens is None else gate.masked_fill(~tokens, high)
+        lowest, highest = torch.aminmax(read) if gate.numel() else (high, high)  # (NaN: both NaN)
+        if lowest >= low and highest <= high:
+            continue
+        bad = ~((read >= low) & (read <= high))
+        where = [index[0].item() for index in bad.nonzero(as_tuple=True)]
+        raise ValueError(
+            f"attention: gates[{name!r}] holds {gate[tuple(where)].item()!r} at [batch, head, position] = "
+            f"{where}; expected {allowed}"
+        )
 
 
 def _check_delta(strength: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:
