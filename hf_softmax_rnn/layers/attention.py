@@ -328,7 +328,11 @@ class SoftmaxRNNAttentionMixin:
         mixed_key, mixed_value, tail = self.rnn_params.convolve(key, value, tail, attention_mask)
         gated_value = mixed_value if input_gate is None else mixed_value * input_gate.unsqueeze(-1).to(value.dtype)
         common = dict(
-            attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
+            attention_mask=attention_mask,
+            gates=gates,
+            params=self.rnn_params.op_params(),
+            scale=self.scaling,
+            check_gate_values=False,  # (sigmoid and log-sigmoid: in range)
         )
         spec = self.attention_spec
         if cache is None:

@@ -81,6 +81,7 @@ def attention(
     return_state: bool = True,
     update_state_in_place: bool = False,
     io_dtype: torch.dtype | None = None,
+    check_gate_values: bool = True,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -116,6 +117,8 @@ def attention(
             differ, as SDPA's may (q and k leave RoPE in float32, v its projection in bfloat16), and are
             cast to their promoted dtype first. The PyTorch forms compute in that dtype, float32 at
             least, whatever `io_dtype` is.
+        check_gate_values: False where the gates are in their ranges by construction (a layer's sigmoid and
+            log-sigmoid): their values are then not read, which costs a read on the host per call.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
@@ -133,10 +136,14 @@ def attention(
         params,
         scale,
         max_state_bytes,
-        {"return_state": return_state, "update_state_in_place": update_state_in_place},
+        {
+            "return_state": return_state,
+            "update_state_in_place": update_state_in_place,
+            "check_gate_values": check_gate_values,
+        },
     )
     gates, params = gates or {}, params or AttentionParams()
-    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
+    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, check_gate_values)
     if io_dtype is not None and io_dtype not in INPUT_DTYPES:
         raise ValueError(
             f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(INPUT_DTYPES)}"

@@ -99,7 +99,7 @@ def _is_attention_params(params) -> bool:
     return isinstance(params, AttentionParams) or type(params).__name__ == AttentionParams.__name__
 
 
-def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
+def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, read_gates=True) -> None:
     _check_tensors(q, k, v)
     _check_shapes(q, k, v)
     if mode not in MODES:
@@ -132,7 +132,8 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
     _check_gates(gates, q, k, spec)
-    check_gate_values(gates, attention_mask)
+    if read_gates:
+        check_gate_values(gates, attention_mask)
     _check_params(params, q, v, spec)
     if spec.effective_feature_map == "hedgehog":
         _check_hedgehog_maps(params, q, k, spec)
