@@ -506,9 +506,9 @@ class AttentionSpec:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AttentionSpec:
         """The paper's variant `name` (see `PRESETS`), optionally with fields overridden."""
-        if name not in PRESET_FIELDS:
+        if not isinstance(name, str) or name not in PRESET_FIELDS:
             raise ValueError(f"Unknown attention preset {name!r}; expected one of {sorted(PRESET_FIELDS)}")
-        return cls(**{**PRESET_FIELDS[name][1], **overrides})
+        return cls.from_dict({**PRESET_FIELDS[name][1], **overrides})  # (an unknown override is named)
 
     @classmethod
     def coerce(cls, value: AttentionSpec | dict | str) -> AttentionSpec:

@@ -342,3 +342,10 @@ def test_a_numpy_scalar_field_is_the_python_number_it_equals(field, value, pytho
 def test_numpy_arrays_and_values_of_another_kind_are_refused(field, value, message):
     with pytest.raises((TypeError, ValueError), match=message):
         AttentionSpec(kind="recurrent_softmax", **{field: value})
+
+
+def test_an_unknown_preset_override_is_named_with_the_fields():
+    with pytest.raises(ValueError, match=r"unknown fields \['colour'\]; allowed fields are \['chunk_size'"):
+        AttentionSpec.from_preset("linear_elu", colour=2)
+    with pytest.raises(ValueError, match=r"Unknown attention preset \['linear_elu'\]; expected one of"):
+        AttentionSpec.from_preset(["linear_elu"])

@@ -174,6 +174,11 @@ def _check_hedgehog_maps(params, q: torch.Tensor, k: torch.Tensor, spec: Attenti
     width = spec.hedgehog_dim or q.shape[-1]
     for name, heads in (("hedgehog_q", q.shape[1]), ("hedgehog_k", k.shape[1])):
         maps = getattr(params, name)
+        if maps is not None and (
+            not isinstance(maps, torch.Tensor) or not maps.is_floating_point() or maps.device != q.device
+        ):
+            got = f"a {maps.dtype} tensor on {maps.device}" if isinstance(maps, torch.Tensor) else type(maps).__name__
+            raise TypeError(f"attention: params.{name} must be a real floating tensor on {q.device}; got {got}")
         expected = (heads, q.shape[-1], width)
         if maps is not None and tuple(maps.shape) != expected:
             raise ValueError(
@@ -195,6 +200,11 @@ def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: Attenti
             raise TypeError(f"attention: gates[{name!r}] must be a real floating tensor on {q.device}; got {got}")
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    if not spec.output_gate and "output" in gates:
+        raise ValueError(
+            f"attention: {spec.describe()} has output_gate=False, so it takes gates['output'] only with "
+            "output_gate=True (it would not be applied)"
+        )
     output = gates.get("output")
     if spec.output_gate and tuple(output.shape) != tuple(q.shape[:3]):
         raise ValueError(

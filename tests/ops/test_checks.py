@@ -326,3 +326,30 @@ def test_gate_values_at_padding_and_at_the_ends_of_their_range_are_taken(mode, s
     tokens = mask.bool()[:, None, :, None].expand_as(got)
     assert torch.isfinite(want[tokens]).all()
     torch.testing.assert_close(got[tokens], want[tokens], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_an_output_gate_for_a_spec_without_one_is_refused(mode):
+    """It would not be applied: the output is that of the ungated spec."""
+    q, k, v, _ = make_inputs(length=4)
+    with pytest.raises(ValueError, match=r"has output_gate=False, so it takes gates\['output'\] only with output_gate"):
+        attention(q, k, v, ELU, mode=mode, gates={"output": torch.rand(2, 4, 4, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(
+    ("maps", "message"),
+    [
+        (
+            torch.ones(4, 8, 8, dtype=torch.long),
+            r"params.hedgehog_q must be a real floating tensor on cpu; got a torch",
+        ),
+        ([[0.5] * 8] * 8, r"params.hedgehog_q must be a real floating tensor on cpu; got list"),
+        (torch.ones(4, 8, 8, dtype=torch.float64, device="meta"), r"hedgehog_q must be .* on cpu; got .* on meta"),
+    ],
+    ids=["int_maps", "list_maps", "maps_on_meta"],
+)
+def test_hedgehog_maps_of_another_kind_are_refused(maps, message):
+    q, k, v, _ = make_inputs(length=4)
+    params = AttentionParams(hedgehog_q=maps, hedgehog_k=torch.ones(2, 8, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match=message):
+        attention(q, k, v, AttentionSpec(kind="linear", feature_map="hedgehog"), params=params)
