@@ -26,13 +26,13 @@ then decoded as a batch of B continuations.
 from __future__ import annotations
 
 import numbers
-import os
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from hf_softmax_rnn.layers.cache import RecurrentStateLayer, StaticRecurrentStateLayer
+from hf_softmax_rnn.utils import device_memory_bytes
 
 __all__ = ["GraphedDecodeStep", "static_cache_from"]
 
@@ -97,15 +97,6 @@ def _count(name: str, value) -> int:
     return int(value)
 
 
-def _device_bytes(device: torch.device) -> int | None:
-    """The memory of `device` in bytes (a GPU's, or the machine's for the CPU); None for other devices."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
-
-
 def _check_fits(cache: DynamicCache, max_cache_len: int, repeats: int) -> None:
     """The static cache of `max_cache_len` positions and `repeats` copies of each row fits in its device's memory
     (KV buffers of max_cache_len positions, recurrent states repeated), else an error naming both and the
@@ -121,7 +112,7 @@ def _check_fits(cache: DynamicCache, max_cache_len: int, repeats: int) -> None:
             row_bytes += values.shape[1] * values.shape[-1] * values.element_size()
             per_position += keys.shape[0] * repeats * row_bytes
             device = keys.device
-    memory = None if device is None else _device_bytes(device)
+    memory = None if device is None else device_memory_bytes(device)
     needed = fixed + per_position * max_cache_len
     if memory is None or needed <= memory:
         return
