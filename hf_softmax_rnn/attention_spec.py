@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -165,7 +166,21 @@ class AttentionSpec:
     short_conv: int | None = None
 
     def __post_init__(self) -> None:
+        self._take_numpy_scalars()
         self._validate()
+
+    def _take_numpy_scalars(self) -> None:
+        """A NumPy scalar in a number field (np.float32(5.0), np.int64(4), as a config read with NumPy holds them)
+        becomes the Python number it equals, so that the spec compares, hashes and saves as with that number; a
+        NumPy bool stays as it is and is refused by the type check, as are arrays."""
+        for name, allowed, _ in _FIELD_TYPES:
+            value = getattr(self, name)
+            if type(value).__module__ != "numpy" or not isinstance(value, numbers.Real):  # (not an array)
+                continue
+            if int in allowed and isinstance(value, numbers.Integral):
+                object.__setattr__(self, name, int(value))
+            elif float in allowed:
+                object.__setattr__(self, name, float(value))
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -176,6 +191,12 @@ class AttentionSpec:
             raise _choice_error("normalizer", self.normalizer, NORMALIZERS)
         if self.output_gate_position not in OUTPUT_GATE_POSITIONS:
             raise _choice_error("output_gate_position", self.output_gate_position, OUTPUT_GATE_POSITIONS)
+        if self.output_gate_position != "after_norm" and not self.output_gate:
+            raise ValueError(
+                f"AttentionSpec.output_gate_position={self.output_gate_position!r} is not allowed with "
+                "output_gate=False (there is no output gate to place); expected 'after_norm' (the default), or "
+                "output_gate=True"
+            )
         if self.feature_map is not None and self.feature_map not in FEATURE_MAPS:
             raise _choice_error("feature_map", self.feature_map, FEATURE_MAPS)
         if self.taylor_order is not None and (
@@ -500,9 +521,9 @@ class AttentionSpec:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AttentionSpec:
         """The paper's variant `name` (see `PRESETS`), optionally with fields overridden."""
-        if name not in PRESET_FIELDS:
+        if not isinstance(name, str) or name not in PRESET_FIELDS:
             raise ValueError(f"Unknown attention preset {name!r}; expected one of {sorted(PRESET_FIELDS)}")
-        return cls(**{**PRESET_FIELDS[name][1], **overrides})
+        return cls.from_dict({**PRESET_FIELDS[name][1], **overrides})  # (an unknown override is named)
 
     @classmethod
     def coerce(cls, value: AttentionSpec | dict | str) -> AttentionSpec:

@@ -32,6 +32,7 @@ from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from hf_softmax_rnn.layers.cache import RecurrentStateLayer, StaticRecurrentStateLayer
+from hf_softmax_rnn.utils import device_memory_bytes
 
 __all__ = ["GraphedDecodeStep", "static_cache_from"]
 
@@ -71,6 +72,7 @@ def static_cache_from(
             f"the cache has {len(cache.layers)} layers but the config describes {len(static.layers)}; pass the config "
             "of the model that filled the cache"
         )
+    _check_fits(cache, max_cache_len, repeats)
     for index, (source, target) in enumerate(zip(cache.layers, static.layers, strict=True)):
         if isinstance(source, RecurrentStateLayer) and isinstance(target, StaticRecurrentStateLayer):
             if source.state is None:
@@ -93,6 +95,36 @@ def _count(name: str, value) -> int:
     if value < 1:
         raise ValueError(f"static_cache_from: {name}={value} is not allowed; expected at least 1")
     return int(value)
+
+
+def _check_fits(cache: DynamicCache, max_cache_len: int, repeats: int) -> None:
+    """The static cache of `max_cache_len` positions and `repeats` copies of each row fits in its device's memory
+    (KV buffers of max_cache_len positions, recurrent states repeated), else an error naming both and the
+    largest max_cache_len that would fit, before anything is allocated."""
+    fixed, per_position, device = 0, 0, None
+    for source in cache.layers:
+        if isinstance(source, RecurrentStateLayer) and source.state is not None:
+            fixed += repeats * source.state.nbytes
+            device = source.state.packed.device
+        elif isinstance(source, DynamicLayer) and source.keys is not None and source.keys.numel():
+            keys, values = source.keys, source.values  # [b, H, L, D]
+            row_bytes = keys.shape[1] * keys.shape[-1] * keys.element_size()
+            row_bytes += values.shape[1] * values.shape[-1] * values.element_size()
+            per_position += keys.shape[0] * repeats * row_bytes
+            device = keys.device
+    memory = None if device is None else device_memory_bytes(device)
+    needed = fixed + per_position * max_cache_len
+    if memory is None or needed <= memory:
+        return
+    fitting = (memory - fixed) // per_position if per_position and memory > fixed else 0
+    if fitting:
+        allowed = f"max_cache_len <= {fitting:,} at repeats={repeats}"
+    else:
+        allowed = f"repeats <= {memory * repeats // needed:,} at max_cache_len={max_cache_len}"
+    raise ValueError(
+        f"static_cache_from: max_cache_len={max_cache_len} and repeats={repeats} need {needed:,} bytes of cache, "
+        f"more than the {memory:,} bytes of {device}; expected {allowed}"
+    )
 
 
 def _repeated(x: torch.Tensor, repeats: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections import Counter
 from collections.abc import Sequence
 
@@ -129,3 +130,13 @@ def minutes_and_seconds(seconds: float) -> str:
     """583.4 -> "9 min 43 s"; 41.2 -> "41 s"."""
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """The memory of `device` in bytes (a GPU's, or the machine's for the CPU); None for other devices."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import warnings
 
+import numpy as np
 import pytest
 
 from hf_softmax_rnn import PRESETS, AttentionSpec
@@ -288,3 +289,63 @@ def test_state_sizes_refuse_a_head_size_that_is_no_positive_int(arguments, error
         for sized in (spec.feature_dim, spec.fits_recurrent_state, check_chunked):
             with pytest.raises(error, match=message):
                 sized(**arguments)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(kind="linear", feature_map="elu", output_gate_position="before_norm"),
+        dict(kind="recurrent_softmax", normalizer="l2", output_gate_position="before_norm"),
+        dict(output_gate_position="before_norm"),
+    ],
+    ids=["linear", "recurrent_softmax", "softmax"],
+)
+def test_an_output_gate_position_without_an_output_gate_is_refused(fields):
+    with pytest.raises(ValueError, match=r"output_gate_position='before_norm' is not allowed with output_gate=False"):
+        AttentionSpec(**fields)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "python"),
+    [
+        ("score_clamp", np.float32(5.5), 5.5),
+        ("score_clamp", np.float64(5.5), 5.5),
+        ("score_clamp", np.int64(5), 5),
+        ("qk_scale", np.float32(0.5), 0.5),
+        ("norm_eps", np.float64(1e-5), 1e-5),
+        ("chunk_size", np.int32(16), 16),
+        ("window", np.int64(8), 8),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_a_numpy_scalar_field_is_the_python_number_it_equals(field, value, python):
+    """Taken as that number: the same spec, dict and description (np.float32 and np.int64 were refused as not
+    numbers, and np.float64 kept, printing as np.float64(5.5) in the description)."""
+    base = dict(kind="linear", feature_map="elu") if field == "window" else dict(kind="recurrent_softmax")
+    got = AttentionSpec(**base, **{field: value})
+    want = AttentionSpec(**base, **{field: python})
+    assert got == want and type(getattr(got, field)) is type(python)
+    assert got.to_dict() == want.to_dict() and got.describe() == want.describe()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("score_clamp", np.array(5.0), r"score_clamp=array\(5\.\) has type ndarray; expected None or a number"),
+        ("score_clamp", np.array([5.0]), r"score_clamp=array\(\[5\.\]\) has type ndarray"),
+        ("score_clamp", np.float64("nan"), r"score_clamp=nan is not allowed; expected None or a finite float"),
+        ("chunk_size", np.float64(16.0), r"chunk_size=np.float64\(16.0\) has type float64; expected an int"),
+        ("output_gate", np.bool_(True), r"output_gate=np.True_ has type bool; expected true or false"),
+    ],
+    ids=["zero_d_array", "array", "numpy_nan", "float_chunk_size", "numpy_bool"],
+)
+def test_numpy_arrays_and_values_of_another_kind_are_refused(field, value, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        AttentionSpec(kind="recurrent_softmax", **{field: value})
+
+
+def test_an_unknown_preset_override_is_named_with_the_fields():
+    with pytest.raises(ValueError, match=r"unknown fields \['colour'\]; allowed fields are \['chunk_size'"):
+        AttentionSpec.from_preset("linear_elu", colour=2)
+    with pytest.raises(ValueError, match=r"Unknown attention preset \['linear_elu'\]; expected one of"):
+        AttentionSpec.from_preset(["linear_elu"])

@@ -251,3 +251,14 @@ def test_a_model_on_the_meta_device_is_refused():
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE))
     with pytest.raises(ValueError, match=r"has weights on the meta device \(no values\); pass a model with its"):
         convert(model, "linear_elu")
+
+
+def test_hedgehog_maps_bigger_than_the_device_are_refused_before_allocation():
+    """hedgehog_dim=2**40 (maps of 2**40 columns a head) failed in the allocator; it is refused, naming the
+    largest width that fits."""
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE))
+    spec = AttentionSpec(kind="linear", feature_map="hedgehog", hedgehog_dim=2**40)
+    with pytest.raises(
+        ValueError, match=r"hedgehog_dim=1099511627776 is not allowed here: .* expected hedgehog_dim <="
+    ):
+        convert(model, spec)

@@ -190,3 +190,37 @@ def test_static_cache_from_takes_numpy_integers(family, name):
         model(input_ids=ids, cache=cache, use_cache=True)
         static = static_cache_from(cache, model.config, max_cache_len=np.int64(8), repeats=np.int32(2))
     assert int(static.get_seq_length()) == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "allowed"),
+    [
+        ("transformers", dict(max_cache_len=2**62), r"max_cache_len <= [\d,]+ at repeats=1$"),
+        ("transformers", dict(max_cache_len=2**40), r"max_cache_len <= [\d,]+ at repeats=1$"),
+        ("transformers", dict(max_cache_len=8, repeats=2**45), r"repeats <= [\d,]+ at max_cache_len=8$"),
+        ("linear_elu", dict(max_cache_len=8, repeats=2**45), r"repeats <= [\d,]+ at max_cache_len=8$"),
+    ],
+    ids=["kv_2_62_positions", "kv_2_40_positions", "kv_2_45_repeats", "recurrent_2_45_repeats"],
+)
+def test_static_cache_from_refuses_a_cache_bigger_than_the_device(family, name, arguments, allowed):
+    """Refused, naming the size asked and what fits, before any allocation (which raised an allocator error or
+    an overflow of the storage size)."""
+    model = _model(family, name)
+    ids, _ = left_padded_batch(lengths=(4,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+    call = {"repeats": 1, **arguments}
+    with pytest.raises(ValueError, match=rf"static_cache_from: max_cache_len=.* bytes of cache, more than .*{allowed}"):
+        static_cache_from(cache, model.config, **call)
+
+
+def test_static_cache_from_takes_any_max_cache_len_for_recurrent_layers(family):
+    """max_cache_len sizes KV buffers only: a model of recurrent layers holds its state whatever it is."""
+    model = _model(family, "linear_elu")
+    ids, _ = left_padded_batch(lengths=(4,))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        static = static_cache_from(cache, model.config, max_cache_len=2**62)
+    assert int(static.get_seq_length()) == 4

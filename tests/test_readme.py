@@ -244,7 +244,7 @@ def test_bash_commands_parse_and_quick_ones_run(block, tmp_path, monkeypatch):
 def test_a_renamed_flag_or_bad_value_fails():
     line = "hf-softmax-rnn finetune --output-dir out --attention softmax --transfer-steps 2"
     assert check_command(line)[0] == "finetune"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):  # (argparse: unrecognised flag)
         check_command(line.replace("--transfer-steps", "--transfer-step-count"))
     with pytest.raises(ValueError, match="softmaxx"):
         check_command(line.replace("--attention softmax", "--attention softmaxx"))

@@ -44,6 +44,7 @@ from hf_softmax_rnn.ops.attention import attention
 from hf_softmax_rnn.ops.kernels import AttentionParams
 from hf_softmax_rnn.ops.short_conv import short_conv
 from hf_softmax_rnn.ops.softmax import softmax_attention
+from hf_softmax_rnn.utils import device_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,19 @@ _NORMALIZER_PARAMS: dict[str, dict[str, tuple[str, ...]]] = {
 _PARAM_INIT_VALUES = {"norm_weight": 1.0, "norm_bias": 0.0, "seqlen_power": SEQLEN_POWER_INIT, "linear_log_scale": 0.0}
 
 
+def _check_hedgehog_maps_fit(width: int, heads: int, head_dim: int) -> None:
+    """The hedgehog maps, `heads` of [head_dim, hedgehog_dim] in the default dtype, fit in the memory of the
+    default device, else an error naming hedgehog_dim and the largest that fits (before allocating them)."""
+    memory = device_memory_bytes(torch.get_default_device())
+    per_width = heads * head_dim * torch.tensor([], dtype=torch.get_default_dtype()).element_size()
+    if memory is not None and width * per_width > memory:
+        raise ValueError(
+            f"AttentionSpec.hedgehog_dim={width} is not allowed here: its maps ({heads} heads of "
+            f"[{head_dim}, {width}]) need {width * per_width:,} bytes a layer, more than the "
+            f"{memory:,} bytes of {torch.get_default_device()}; expected hedgehog_dim <= {memory // per_width:,}"
+        )
+
+
 class RNNParams(nn.Module):
     """Every learned tensor an `AttentionSpec` adds to one attention layer.
 
@@ -161,6 +175,7 @@ class RNNParams(nn.Module):
             self._tensor_names.append(name)
         if spec.effective_feature_map == "hedgehog":
             width = spec.hedgehog_dim or head_dim
+            _check_hedgehog_maps_fit(width, num_heads + num_kv_heads, head_dim)
             self.hedgehog_q = nn.Parameter(torch.empty(num_heads, head_dim, width))
             self.hedgehog_k = nn.Parameter(torch.empty(num_kv_heads, head_dim, width))
             self._tensor_names += ["hedgehog_q", "hedgehog_k"]
@@ -330,7 +345,11 @@ class SoftmaxRNNAttentionMixin:
         mixed_key, mixed_value, tail = self.rnn_params.convolve(key, value, tail, attention_mask)
         gated_value = mixed_value if input_gate is None else mixed_value * input_gate.unsqueeze(-1).to(value.dtype)
         common = dict(
-            attention_mask=attention_mask, gates=gates, params=self.rnn_params.op_params(), scale=self.scaling
+            attention_mask=attention_mask,
+            gates=gates,
+            params=self.rnn_params.op_params(),
+            scale=self.scaling,
+            check_gate_values=False,  # (sigmoid and log-sigmoid: in range)
         )
         softcap = getattr(self.config, "attn_logit_softcapping", None) if self.SOFTCAPPED_SCORES else None
         if softcap is not None:  # (exact softmax layers only: the config refuses it elsewhere)

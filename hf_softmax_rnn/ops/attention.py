@@ -82,6 +82,7 @@ def attention(
     update_state_in_place: bool = False,
     io_dtype: torch.dtype | None = None,
     softcap: float | None = None,
+    check_gate_values: bool = True,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Causal attention of any variant in any of the three modes.
 
@@ -120,6 +121,8 @@ def attention(
         softcap: c > 0 caps the scaled scores s of exact softmax at c tanh(s / c) (Gemma 2's
             `attn_logit_softcapping`); spec kind "softmax" only (the cap does not factor into a finite
             state). None: no cap.
+        check_gate_values: False where the gates are in their ranges by construction (a layer's sigmoid and
+            log-sigmoid): their values are then not read, which costs a read on the host per call.
 
     Returns:
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
@@ -137,11 +140,15 @@ def attention(
         params,
         scale,
         max_state_bytes,
-        {"return_state": return_state, "update_state_in_place": update_state_in_place},
+        {
+            "return_state": return_state,
+            "update_state_in_place": update_state_in_place,
+            "check_gate_values": check_gate_values,
+        },
     )
     check_softcap(softcap, spec)
     gates, params = gates or {}, params or AttentionParams()
-    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale)
+    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, check_gate_values)
     if io_dtype is not None and io_dtype not in INPUT_DTYPES:
         raise ValueError(
             f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(INPUT_DTYPES)}"
@@ -173,6 +180,8 @@ def attention(
             log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
         log_decay = log_decay.clamp_min(MIN_LOG_DECAY)
     strength = gates.get("delta")
+    if strength is not None and attention_mask is not None:  # (padding writes nothing, whatever it holds)
+        strength = strength.masked_fill(~key_mask[:, None, :], 0.0)
     if length == 0:
         return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
 

@@ -112,7 +112,7 @@ def _is_attention_params(params) -> bool:
     return isinstance(params, AttentionParams) or type(params).__name__ == AttentionParams.__name__
 
 
-def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale) -> None:
+def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, read_gates=True) -> None:
     _check_tensors(q, k, v)
     _check_shapes(q, k, v)
     if mode not in MODES:
@@ -145,6 +145,8 @@ def check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scal
             f"attention_mask covers {attention_mask.shape[1]} positions, fewer than the {k.shape[-2]} keys"
         )
     _check_gates(gates, q, k, spec)
+    if read_gates:
+        check_gate_values(gates, attention_mask)
     _check_params(params, q, v, spec)
     if spec.effective_feature_map == "hedgehog":
         _check_hedgehog_maps(params, q, k, spec)
@@ -185,6 +187,11 @@ def _check_hedgehog_maps(params, q: torch.Tensor, k: torch.Tensor, spec: Attenti
     width = spec.hedgehog_dim or q.shape[-1]
     for name, heads in (("hedgehog_q", q.shape[1]), ("hedgehog_k", k.shape[1])):
         maps = getattr(params, name)
+        if maps is not None and (
+            not isinstance(maps, torch.Tensor) or not maps.is_floating_point() or maps.device != q.device
+        ):
+            got = f"a {maps.dtype} tensor on {maps.device}" if isinstance(maps, torch.Tensor) else type(maps).__name__
+            raise TypeError(f"attention: params.{name} must be a real floating tensor on {q.device}; got {got}")
         expected = (heads, q.shape[-1], width)
         if maps is not None and tuple(maps.shape) != expected:
             raise ValueError(
@@ -206,6 +213,11 @@ def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: Attenti
             raise TypeError(f"attention: gates[{name!r}] must be a real floating tensor on {q.device}; got {got}")
     if spec.output_gate and "output" not in gates:
         raise ValueError(f"{spec.describe()} needs gates['output'] [B, H, L]; got gates with keys {sorted(gates)}")
+    if not spec.output_gate and "output" in gates:
+        raise ValueError(
+            f"attention: {spec.describe()} has output_gate=False, so it takes gates['output'] only with "
+            "output_gate=True (it would not be applied)"
+        )
     output = gates.get("output")
     if spec.output_gate and tuple(output.shape) != tuple(q.shape[:3]):
         raise ValueError(
@@ -214,6 +226,38 @@ def _check_gates(gates: Mapping, q: torch.Tensor, k: torch.Tensor, spec: Attenti
         )
     _check_decay(gates.get("decay"), k, spec)
     _check_delta(gates.get("delta"), k, spec)
+
+
+#: gate name -> (lowest, highest) value it may hold at a token, and what that range is.
+GATE_RANGES: dict[str, tuple[float, float, str]] = {
+    "output": (0.0, 1.0, "sigmoid gate values in [0, 1]"),
+    "decay": (float("-inf"), 0.0, "log-decays <= 0 (-inf: forget the state)"),
+    "delta": (0.0, 1.0, "write strengths in [0, 1]"),
+}
+
+
+def check_gate_values(gates: Mapping[str, torch.Tensor], attention_mask: torch.Tensor | None = None) -> None:
+    """Each gate holds values of its range (`GATE_RANGES`, NaN outside every one) at the tokens of
+    `attention_mask` (padding may hold anything: it is never read); one that does not raises, naming the value
+    and where it is. The gates' shapes are checked. Reads the values (one reduction a gate) outside torch.compile
+    and CUDA graph capture, as `check_padding_mask` does."""
+    if torch.compiler.is_compiling():
+        return
+    for name, gate in gates.items():
+        if gate.device.type == "meta" or (gate.is_cuda and torch.cuda.is_current_stream_capturing()):
+            continue
+        low, high, allowed = GATE_RANGES[name]
+        tokens = None if attention_mask is None else attention_mask[:, -gate.shape[-1] :].bool()[:, None, :]
+        read = gate if tokens is None else gate.masked_fill(~tokens, high)
+        lowest, highest = torch.aminmax(read) if gate.numel() else (high, high)  # (NaN: both NaN)
+        if lowest >= low and highest <= high:
+            continue
+        bad = ~((read >= low) & (read <= high))
+        where = [index[0].item() for index in bad.nonzero(as_tuple=True)]
+        raise ValueError(
+            f"attention: gates[{name!r}] holds {gate[tuple(where)].item()!r} at [batch, head, position] = "
+            f"{where}; expected {allowed}"
+        )
 
 
 def _check_delta(strength: torch.Tensor | None, k: torch.Tensor, spec: AttentionSpec) -> None:

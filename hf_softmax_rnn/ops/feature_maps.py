@@ -19,10 +19,35 @@ from hf_softmax_rnn.ops.taylor import TaylorKernel
 
 ElementwiseFn = Callable[[torch.Tensor], torch.Tensor]
 
+
+class _EluPlusOne(torch.autograd.Function):
+    """elu(x) + 1 as x + 1 above 0 and e^x at or below it, with one saved tensor (its output y, whose
+    derivative is min(y, 1): 1 above 0, e^x = y below), as `F.elu` keeps one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.maximum(x + 1.0, torch.exp(x.clamp_max(0.0)))  # (e^x >= 1 + x, equal at 0)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y.clamp_max(1.0)
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """elu(x) + 1: x + 1 for x > 0, e^x otherwise, taken as e^x where `F.elu(x) + 1` adds 1 to e^x - 1, which
+    leaves nothing of e^x below about -17 (float32) or -37 (float64): every feature of a negative key 0, and the
+    keys' weights 0 / 0."""
+    return _EluPlusOne.apply(x)
+
+
 #: name -> phi of the elementwise maps.
 ELEMENTWISE_MAPS: dict[str, ElementwiseFn] = {
     "identity": lambda x: x.clone(),
-    "elu": lambda x: F.elu(x) + 1.0,
+    "elu": elu_plus_one,
     "relu": F.relu,
 }
 

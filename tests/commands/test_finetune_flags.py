@@ -44,7 +44,7 @@ def test_contradicting_flags_stop_before_any_work(tmp_path, capsys, caplog, flag
 
 
 def test_help_shows_the_lora_defaults(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^0$"):  # (--help exits with success)
         cli.main(["finetune", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "LoRA rank r (default: 8)" in text

@@ -54,8 +54,11 @@ def training_layer_traffic(name: str) -> tuple[int, float]:
 #: and its window could not run in FlexAttention: 165 operations and 190,000 bytes per token more than
 #: the original; while a call whose state is discarded still copied out the window buffers and had fla
 #: write its final state: 61 and 44,346 (linear_elu), 124 and 111,878 (hedgehog_window_64; commit e6d94a4).
+#: linear_elu's map takes two operations and three passes over the float32 features of its 9 + 3 heads of 64
+#: (9,216 bytes a token) more than F.elu(x) + 1, which lost e^x below about -17 in float32
+#: (`ops.feature_maps.elu_plus_one`: e^min(x, 0) and its max with x + 1, then min(y, 1) in the backward).
 EXTRA_BOUNDS = {
-    "linear_elu": (60, 44_200),
+    "linear_elu": (62, 53_500),
     "hedgehog_window_64": (121, 111_000),
 }
 
@@ -77,8 +80,10 @@ def test_a_converted_layer_adds_few_operations_to_a_training_step(name, monkeypa
 #: product-and-add: 165,379 bytes (linear_elu) and 599,979 (commit 3512eaf); while each step shifted the
 #: window's W rows into new buffers instead of writing one row of a ring: 311,076 (hedgehog_window_64,
 #: commit bc5a43b); while a one-position call stacked its output (a copy) and the window's mix weight
-#: converted its log-scale in a pass of its own: 63 and 94 operations (commit 444f1cc).
-DECODE_BOUNDS = {"linear_elu": (62, 114_000), "hedgehog_window_64": (92, 214_000)}
+#: converted its log-scale in a pass of its own: 63 and 94 operations (commit 444f1cc). linear_elu's map writes
+#: two passes more over the float32 features of its 9 + 3 heads of 64 than F.elu(x) + 1 (6,144 bytes), which
+#: lost e^x below about -17 in float32.
+DECODE_BOUNDS = {"linear_elu": (62, 120_200), "hedgehog_window_64": (92, 214_000)}
 SEQUENCES = 64
 
 

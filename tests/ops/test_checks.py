@@ -267,3 +267,89 @@ def test_mixed_float_dtypes_are_taken_under_autocast_in_their_promoted_dtype():
     want, _ = attention(q, k, v.float(), "linear_elu", mode="chunked", io_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+DECAY_ELU = AttentionSpec(kind="linear", feature_map="elu", decay=True)
+DELTA_ELU = AttentionSpec(kind="linear", feature_map="elu", normalizer="l2", delta_rule=True)
+_BAD_GATE_VALUES = [
+    (GATED_ELU, "output", -0.5, r"gates\['output'\] holds -0.5 at .* = \[1, 3, 3\]; expected sigmoid gate values in"),
+    (GATED_ELU, "output", 1.5, r"gates\['output'\] holds 1.5 .*; expected sigmoid gate values in \[0, 1\]"),
+    (GATED_ELU, "output", float("nan"), r"gates\['output'\] holds nan "),
+    (DECAY_ELU, "decay", 0.25, r"gates\['decay'\] holds 0.25 at .* = \[1, 1, 3\]; expected log-decays <= 0"),
+    (DECAY_ELU, "decay", float("inf"), r"gates\['decay'\] holds inf .*; expected log-decays <= 0"),
+    (DECAY_ELU, "decay", float("nan"), r"gates\['decay'\] holds nan .*; expected log-decays <= 0"),
+    (
+        DELTA_ELU,
+        "delta",
+        -0.1,
+        r"gates\['delta'\] holds -0.1 at .* = \[1, 1, 3\]; expected write strengths in \[0, 1\]",
+    ),
+    (DELTA_ELU, "delta", 2.0, r"gates\['delta'\] holds 2.0 .*; expected write strengths in \[0, 1\]"),
+    (DELTA_ELU, "delta", float("nan"), r"gates\['delta'\] holds nan "),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "name", "value", "message"),
+    _BAD_GATE_VALUES,
+    ids=[f"{name}={value}" for _, name, value, _ in _BAD_GATE_VALUES],
+)
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_a_gate_value_outside_its_range_is_refused_naming_it(mode, spec, name, value, message):
+    q, k, v, _ = make_inputs(length=4)
+    heads = q.shape[1] if name == "output" else k.shape[1]
+    gates = {"output": torch.rand(2, 4, 4, dtype=torch.float64)} if spec.output_gate else {}
+    gates[name] = torch.rand(2, heads, 4, dtype=torch.float64) * (-1.0 if name == "decay" else 1.0)
+    gates[name][1, heads - 1 if name == "output" else 1, 3] = value
+    with pytest.raises(ValueError, match=message):
+        attention(q, k, v, spec, mode=mode, gates=gates)
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [(GATED_ELU, "output"), (DECAY_ELU, "decay"), (DELTA_ELU, "delta")],
+    ids=["output", "decay", "delta"],
+)
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_gate_values_at_padding_and_at_the_ends_of_their_range_are_taken(mode, spec, name):
+    """Padding is never read, so a gate may hold anything there (NaN: the output at the tokens is that of a gate
+    in range there); 0 and 1 (-inf and 0 for log-decays) are in range."""
+    q, k, v, _ = make_inputs(length=4)
+    heads = q.shape[1] if name == "output" else k.shape[1]
+    ends = (float("-inf"), 0.0) if name == "decay" else (0.0, 1.0)
+    clean = torch.tensor(ends, dtype=torch.float64).repeat(2, heads, 2)
+    dirty = clean.clone()
+    dirty[1, :, 0] = float("nan")
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    want, _ = attention(q, k, v, spec, mode=mode, gates={name: clean}, attention_mask=mask)
+    got, _ = attention(q, k, v, spec, mode=mode, gates={name: dirty}, attention_mask=mask)
+    tokens = mask.bool()[:, None, :, None].expand_as(got)
+    assert torch.isfinite(want[tokens]).all()
+    torch.testing.assert_close(got[tokens], want[tokens], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked", "recurrent"])
+def test_an_output_gate_for_a_spec_without_one_is_refused(mode):
+    """It would not be applied: the output is that of the ungated spec."""
+    q, k, v, _ = make_inputs(length=4)
+    with pytest.raises(ValueError, match=r"has output_gate=False, so it takes gates\['output'\] only with output_gate"):
+        attention(q, k, v, ELU, mode=mode, gates={"output": torch.rand(2, 4, 4, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(
+    ("maps", "message"),
+    [
+        (
+            torch.ones(4, 8, 8, dtype=torch.long),
+            r"params.hedgehog_q must be a real floating tensor on cpu; got a torch",
+        ),
+        ([[0.5] * 8] * 8, r"params.hedgehog_q must be a real floating tensor on cpu; got list"),
+        (torch.ones(4, 8, 8, dtype=torch.float64, device="meta"), r"hedgehog_q must be .* on cpu; got .* on meta"),
+    ],
+    ids=["int_maps", "list_maps", "maps_on_meta"],
+)
+def test_hedgehog_maps_of_another_kind_are_refused(maps, message):
+    q, k, v, _ = make_inputs(length=4)
+    params = AttentionParams(hedgehog_q=maps, hedgehog_k=torch.ones(2, 8, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match=message):
+        attention(q, k, v, AttentionSpec(kind="linear", feature_map="hedgehog"), params=params)

@@ -178,6 +178,13 @@ def test_bfloat16_through_fla_keeps_little_beside_fla_and_matches_the_pytorch_fo
     torch.testing.assert_close(outputs[True].float(), outputs[False].float(), rtol=2e-2, atol=2e-2)
 
 
+#: What the elu+1 map writes per token beyond `F.elu(x) + 1` (which lost e^x below about -17 in float32): two
+#: passes more over the float32 features of the 9 + 3 heads of 64 of the queries and keys in the forward
+#: (e^min(x, 0), then its max with x + 1) and one in the backward (min(y, 1)); three operations more for each.
+ELU_PLUS_ONE_BYTES = 3 * (9 + 3) * 64 * 4
+ELU_PLUS_ONE_OPERATIONS = 3 * 2
+
+
 def test_bfloat16_through_fla_writes_little_beside_fla(monkeypatch):
     """SmolLM2's heads in bfloat16, forward and backward: the PyTorch around fla writes under 60,000 bytes
     per token (features, layouts, the denominator, the normaliser and their gradients; fla's own
@@ -193,8 +200,8 @@ def test_bfloat16_through_fla_writes_little_beside_fla(monkeypatch):
     with WrittenBytes() as counter:
         out, _ = attention(*(x.requires_grad_() for x in (q, k, v)), "linear_elu", mode="chunked", return_state=False)
         out.float().sum().backward()
-    assert counter.bytes / length < 60_000, counter.bytes / length
-    assert counter.operations < 78, counter.operations
+    assert counter.bytes / length < 60_000 + ELU_PLUS_ONE_BYTES, counter.bytes / length
+    assert counter.operations < 78 + ELU_PLUS_ONE_OPERATIONS, counter.operations
 
 
 #: segment length -> (segments, their length): equal segments, a multiple of gcd(length, 64), padded.

@@ -1,6 +1,7 @@
 """Inputs at the edges: huge scores, high Taylor orders in low precision, empty sequences, and
 garbage (NaN, inf) in padded positions."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.attention_spec import MODES
 from hf_softmax_rnn.ops import attention, taylor_exp
+from hf_softmax_rnn.ops.feature_maps import elu_plus_one
 
 from .helpers import FINITE_SPECS, as_params, left_padding_mask, make_inputs, make_params, quiet_preset
 
@@ -79,3 +81,39 @@ def test_nan_and_inf_in_padding_do_not_reach_the_output(name, mode):
     dirty, _ = attention(q, dirty_k, dirty_v, spec, mode=mode, attention_mask=mask, params=params, gates=gates)
     rows = mask.bool()[:, None, :, None].expand_as(clean)
     torch.testing.assert_close(dirty[rows], clean[rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *LOW_PRECISION], ids=str)
+@pytest.mark.parametrize("x", [-80.0, -40.0, -20.0, -1e-3, 0.0, 2.0, 1e4], ids=lambda x: f"x={x:g}")
+def test_elu_plus_one_is_e_to_the_x_below_zero(x, dtype):
+    """elu(x) + 1 is e^x for x <= 0: adding 1 to e^x - 1 would leave 0 (float32 below -17, float64 below -37)."""
+    point = torch.tensor([x], dtype=dtype, requires_grad=True)
+    got = elu_plus_one(point)
+    (gradient,) = torch.autograd.grad(got.sum(), point)
+    held = point.detach().double().item()  # x as dtype holds it
+    want = held + 1.0 if held > 0 else math.exp(held)
+    want_gradient = 1.0 if held > 0 else math.exp(held)
+    tiniest = torch.finfo(dtype).tiny
+    rel = {torch.float64: 1e-15, torch.float32: 1e-6}.get(dtype, 1e-2)
+    for value, expected in ((got, want), (gradient, want_gradient)):
+        if expected < tiniest:  # below what dtype holds as a normal number
+            assert 0 <= value.item() < 2 * tiniest
+        else:
+            assert value.double().item() == pytest.approx(expected, rel=rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_elu_attention_of_very_negative_queries_and_keys_matches_float64(mode, dtype):
+    """q and k near -30: each feature e^x ~ 1e-13, still a number in float32; the output is the average of the
+    values weighted by sum_d e^(q_d + k_d), computed here from its definition in float64."""
+    q, k, v, _ = make_inputs(length=7)
+    q, k, v = (q - 30).to(dtype), (k - 30).to(dtype), v.to(dtype)
+    got, _ = attention(q, k, v, "linear_elu", mode=mode)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    weights = torch.exp(q64) @ torch.exp(k64).repeat_interleave(groups, 1).mT
+    weights = weights.tril()
+    want = (weights @ v64.repeat_interleave(groups, 1)) / weights.sum(-1, keepdim=True)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol={torch.float32: 1e-5}.get(dtype, 2e-2))
