@@ -172,8 +172,8 @@ def attention(
             strength,
             compute_dtype,
             out_dtype,
-            needs_state,
-            update_state_in_place,
+            keep_state=needs_state,
+            in_place=update_state_in_place,
         )
         new_state.made_by = tag
         new_state = new_state if return_state else None
@@ -359,8 +359,9 @@ def _finite_state_form(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecurrentState]:
     """(numerator `[B, Hkv, G, L, Dv]`, denominator `[B, Hkv, G, L]`, visible counts `[B, 1, L]`, new state)
     of the chunked or recurrent form (`_finite_state`), computed in `dtype`, from `state` (None: the empty
-    state). The new state's `t` counts the visible positions so far; its `made_by` is the caller's to set.
-    `keep_state`: the caller wants the new state; `in_place`: the state is updated in place (decoding)."""
+    state). `io_dtype` is the call's output dtype, which FlexAttention and the fused kernels read. The new
+    state's `t` counts the visible positions so far; its `made_by` is the caller's to set. `keep_state`: the
+    caller wants the new state; `in_place`: the state is updated in place (decoding without autograd)."""
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     input_qkv = (q, k, v)
