@@ -128,6 +128,88 @@ def attention(
         `([B, H, L, Dv] output, new RecurrentState, or None in parallel mode or without
         return_state)`.
     """
+    switches = {
+        "return_state": return_state,
+        "update_state_in_place": update_state_in_place,
+        "check_gate_values": check_gate_values,
+    }
+    spec, gates, params, softmax_scale, tag = _checked_inputs(
+        q, k, v, spec, mode, attention_mask, gates, state, params, scale, max_state_bytes, switches, io_dtype, softcap
+    )
+    out_dtype = q.dtype if io_dtype is None else io_dtype
+    k, v, key_mask, log_decay, strength = _masked_inputs(k, v, attention_mask, gates.get("decay"), gates.get("delta"))
+    padding = None if attention_mask is None else key_mask
+    if q.shape[-2] == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1], dtype=out_dtype), state if mode != "parallel" else None
+
+    needs_state = mode != "parallel" and return_state
+    exact_hybrid = _every_key_exact(spec, k.shape[-2], state is None, needs_state)
+    if spec.kind == "softmax" or exact_hybrid:
+        out = _exact_softmax(q, k, v, padding, spec, gates.get("output"), softmax_scale, softcap, out_dtype)
+        if exact_hybrid and torch.is_grad_enabled():
+            out = _with_zero_gradients(out, params, log_decay)
+        return out, None
+
+    compute_dtype = torch.float32 if q.dtype in _HALF_DTYPES else q.dtype
+    kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
+    fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, q.shape[-1], v.shape[-1])
+    log_shift, new_state = None, None
+    if fused == "taylor2":
+        numerator, denominator = _fused_taylor2(q, k, v, padding, kernel, out_dtype)
+        visible = visible_counts(key_mask, q.shape[-2])
+    elif mode == "parallel":
+        numerator, denominator, log_shift = _parallel_form(
+            q, k, v, key_mask, spec, kernel, softmax_scale, params, log_decay, strength, compute_dtype
+        )
+        visible = visible_counts(key_mask, q.shape[-2])
+    else:
+        numerator, denominator, visible, new_state = _finite_state_form(
+            q,
+            k,
+            v,
+            key_mask,
+            state,
+            spec,
+            mode,
+            kernel,
+            softmax_scale,
+            params,
+            log_decay,
+            strength,
+            compute_dtype,
+            out_dtype,
+            keep_state=needs_state,
+            in_place=update_state_in_place,
+        )
+        new_state.made_by = tag
+        new_state = new_state if return_state else None
+    output_gate = gates.get("output") if spec.output_gate else None
+    out = _normalized(numerator, denominator, visible, log_shift, q.shape, spec, params, output_gate)
+    return out.to(out_dtype), new_state
+
+
+def _checked_inputs(
+    q,
+    k,
+    v,
+    spec,
+    mode,
+    attention_mask,
+    gates,
+    state,
+    params,
+    scale,
+    max_state_bytes,
+    switches: dict[str, object],
+    io_dtype,
+    softcap,
+) -> tuple[AttentionSpec, Mapping[str, torch.Tensor], AttentionParams, float, tuple]:
+    """Every check of `attention`'s arguments, in the order they run, before any work: each bad value raises
+    an error that names it and what is allowed (`ops.checks`). `switches`: {name: value} of the flag arguments.
+
+    Returns (the spec as an `AttentionSpec`, the gates (`{}` for None), the params (an empty `AttentionParams`
+    for None), the scaling of q.k (default 1/sqrt(D)), the `state_tag` a state of this call carries).
+    """
     if not isinstance(spec, AttentionSpec) and type(spec).__name__ == AttentionSpec.__name__:
         spec = AttentionSpec.from_dict(spec.to_dict())  # another copy of this module (remote code loads one)
     if not isinstance(spec, (AttentionSpec, str, dict)):
@@ -135,169 +217,238 @@ def attention(
             f"attention: spec must be an AttentionSpec, a dict of its fields or a preset name; got {spec!r}"
         )
     spec = AttentionSpec.coerce(spec)
-    check_arguments(
-        gates,
-        params,
-        scale,
-        max_state_bytes,
-        {
-            "return_state": return_state,
-            "update_state_in_place": update_state_in_place,
-            "check_gate_values": check_gate_values,
-        },
-    )
+    check_arguments(gates, params, scale, max_state_bytes, switches)
     check_softcap(softcap, spec)
     gates, params = gates or {}, params or AttentionParams()
-    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, check_gate_values)
+    check_inputs(q, k, v, spec, mode, attention_mask, gates, state, params, scale, switches["check_gate_values"])
     if io_dtype is not None and io_dtype not in INPUT_DTYPES:
         raise ValueError(
             f"attention: io_dtype={io_dtype!r} is not allowed; expected None or one of {list(INPUT_DTYPES)}"
         )
-    input_dtype = q.dtype  # (k's and v's too)
-    out_dtype = input_dtype if io_dtype is None else io_dtype
-    if update_state_in_place and (mode != "recurrent" or torch.is_grad_enabled()):
+    if switches["update_state_in_place"] and (mode != "recurrent" or torch.is_grad_enabled()):
         raise ValueError(
             f"attention: update_state_in_place needs mode='recurrent' without autograd (torch.no_grad()); got "
             f"mode={mode!r}, grad enabled={torch.is_grad_enabled()}"
         )
     spec.check_mode(mode, q.shape[-1], max_state_bytes)
-    batch, heads, length, head_dim = q.shape
-    kv_heads, value_dim = k.shape[1], v.shape[-1]
+    heads, head_dim = q.shape[1], q.shape[-1]
     softmax_scale = head_dim**-0.5 if scale is None else float(scale)
-    tag = state_tag(spec, softmax_scale, heads, kv_heads, head_dim, value_dim)
+    tag = state_tag(spec, softmax_scale, heads, k.shape[1], head_dim, v.shape[-1])
     if state is not None:
         check_state(state, q, k, v, spec, tag)
-    key_len = k.shape[-2] if mode == "parallel" else length
+    return spec, gates, params, softmax_scale, tag
+
+
+def _masked_inputs(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    strength: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(k, v zero at padding, the key mask `[B, Lk]` of bools, the log-decays and the delta rule's write
+    strengths `[B, Hkv, Lk]` or None) for the call's Lk keys (in chunked and recurrent mode as many as the
+    queries): the padding mask's last Lk columns (no mask: every key a token). Padding may hold anything, NaN
+    included: it must not leak. Log-decays are 0 at padding (it never decays the state) and at least
+    `MIN_LOG_DECAY`; write strengths are 0 at padding (it writes nothing)."""
+    batch, key_len = k.shape[0], k.shape[-2]
     if attention_mask is None:
-        key_mask = torch.ones(batch, key_len, dtype=torch.bool, device=q.device)
+        key_mask = torch.ones(batch, key_len, dtype=torch.bool, device=k.device)
     else:
         key_mask = attention_mask[:, -key_len:].bool()
-        hidden = ~key_mask[:, None, :, None]  # padding may hold anything, NaN included: it must not leak
+        hidden = ~key_mask[:, None, :, None]
         k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
-    log_decay = gates.get("decay")
     if log_decay is not None:
         if attention_mask is not None:  # (without a mask no position is padding)
             log_decay = log_decay.masked_fill(~key_mask[:, None, :], 0.0)
         log_decay = log_decay.clamp_min(MIN_LOG_DECAY)
-    strength = gates.get("delta")
-    if strength is not None and attention_mask is not None:  # (padding writes nothing, whatever it holds)
+    if strength is not None and attention_mask is not None:
         strength = strength.masked_fill(~key_mask[:, None, :], 0.0)
-    if length == 0:
-        return q.new_zeros(batch, heads, 0, value_dim, dtype=out_dtype), state if mode != "parallel" else None
+    return k, v, key_mask, log_decay, strength
 
-    needs_state = mode != "parallel" and return_state
-    exact_hybrid = _every_key_exact(spec, key_len, state is None, needs_state)
-    if spec.kind == "softmax" or exact_hybrid:
-        q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
-        window = spec.window if spec.kind == "softmax" else None  # a hybrid's keys here are all exact
-        out = softmax_attention(q, k, v, None if attention_mask is None else key_mask, softmax_scale, window, softcap)
-        if spec.output_gate and spec.output_gate_position == "after_norm":  # (before the softmax normaliser: inert)
-            out = out * gates["output"].unsqueeze(-1).to(out.dtype)
-        if exact_hybrid and torch.is_grad_enabled():
-            learned = [getattr(params, field.name) for field in dataclasses.fields(params)]
-            unused = [x for x in (*learned, log_decay) if isinstance(x, torch.Tensor) and x.requires_grad]
-            out = _ZeroGradients.apply(out, *unused) if unused else out
-        return out, None
 
-    compute_dtype = torch.float32 if input_dtype in _HALF_DTYPES else input_dtype
-    kernel = build_kernel(spec, spec.qk_scale or softmax_scale, params)
-    fused = polynomial_backend(q.device.type, out_dtype, spec, mode, needs_state, head_dim, value_dim)
+def _exact_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding: torch.Tensor | None,
+    spec: AttentionSpec,
+    output_gate: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`[B, H, L, Dv]` causal softmax attention (SDPA) in `dtype`: spec kind "softmax" (over its window, if
+    any), or a hybrid whose keys are all exact here (`_every_key_exact`: no window). `padding` `[B, Lk]`: the
+    key mask, None without a padding mask. The output gate `[B, H, L]` multiplies the output when the spec
+    places it after the normaliser (before the softmax normaliser it is inert)."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    window = spec.window if spec.kind == "softmax" else None
+    out = softmax_attention(q, k, v, padding, scale, window, softcap)
+    if spec.output_gate and spec.output_gate_position == "after_norm":
+        out = out * output_gate.unsqueeze(-1).to(out.dtype)
+    return out
+
+
+def _with_zero_gradients(out: torch.Tensor, params: AttentionParams, log_decay: torch.Tensor | None) -> torch.Tensor:
+    """`out` of an exact hybrid call, through which the learned tensors and log-decays that require grad get
+    zero gradients (`_ZeroGradients`)."""
+    learned = [getattr(params, field.name) for field in dataclasses.fields(params)]
+    unused = [x for x in (*learned, log_decay) if isinstance(x, torch.Tensor) and x.requires_grad]
+    return _ZeroGradients.apply(out, *unused) if unused else out
+
+
+def _fused_taylor2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding: torch.Tensor | None,
+    kernel: FeatureKernel,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator `[B, H, L, Dv]`, denominator `[B, H, L]`) of Taylor 2 from the fused Triton kernel
+    (`ops.triton_taylor`), which reads q, k, v in `dtype` (the call's io_dtype)."""
+    from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
+
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return taylor2_attention(q, k, v, padding, kernel.scale)
+
+
+def _parallel_form(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor,
+    spec: AttentionSpec,
+    kernel: FeatureKernel,
+    softmax_scale: float,
+    params: AttentionParams,
+    log_decay: torch.Tensor | None,
+    strength: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(numerator `[B, Hkv, G, L, Dv]`, denominator `[B, Hkv, G, L]`, the per-row log factor the scores were
+    divided by `[B, Hkv, G, L]` or None) of the masked L x Lk form (`ops.parallel`), computed in `dtype`;
+    `log_decay` and the delta rule's write strengths `strength` are `[B, Hkv, Lk]`."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    batch, heads, length, head_dim = q.shape
+    grouped_q = q.view(batch, k.shape[1], heads // k.shape[1], length, head_dim)
+    parallel_inputs = (
+        grouped_q,
+        k,
+        key_mask,
+        kernel,
+        spec.window,
+        softmax_scale,
+        params.linear_log_scale,
+        spec.sinks,
+        None if log_decay is None else log_decay.to(dtype),
+        spec.kept,
+    )
+    if spec.delta_rule:
+        numerator, denominator = _parallel_delta(parallel_inputs, v, key_mask, strength.to(dtype), spec.additive_mass)
+        return numerator, denominator, None
+    scores, log_shift = parallel_scores(*parallel_inputs)
+    return grouped_matmul(scores, v), scores.sum(-1), log_shift
+
+
+def _finite_state_form(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor,
+    state: RecurrentState | None,
+    spec: AttentionSpec,
+    mode: str,
+    kernel: FeatureKernel,
+    softmax_scale: float,
+    params: AttentionParams,
+    log_decay: torch.Tensor | None,
+    strength: torch.Tensor | None,
+    dtype: torch.dtype,
+    io_dtype: torch.dtype,
+    keep_state: bool,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecurrentState]:
+    """(numerator `[B, Hkv, G, L, Dv]`, denominator `[B, Hkv, G, L]`, visible counts `[B, 1, L]`, new state)
+    of the chunked or recurrent form (`_finite_state`), computed in `dtype`, from `state` (None: the empty
+    state). `io_dtype` is the call's output dtype, which FlexAttention and the fused kernels read. The new
+    state's `t` counts the visible positions so far; its `made_by` is the caller's to set. `keep_state`: the
+    caller wants the new state; `in_place`: the state is updated in place (decoding without autograd)."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads, value_dim = k.shape[1], v.shape[-1]
     input_qkv = (q, k, v)
-    target = compute_dtype if fused is None else out_dtype  # a fused kernel reads io_dtype
-    q, k, v = q.to(target), k.to(target), v.to(target)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, length, head_dim)
-
-    new_state, log_shift = None, None
-    if fused == "taylor2":
-        from hf_softmax_rnn.ops.triton_taylor import taylor2_attention  # imports triton: GPU only
-
-        padding = None if attention_mask is None else key_mask
-        numerator, denominator = taylor2_attention(q, k, v, padding, kernel.scale)
-        visible = visible_counts(key_mask, length)
-    elif mode == "parallel":
-        parallel_inputs = (
-            grouped_q,
-            k,
-            key_mask,
-            kernel,
+    window_fused = window_backend(q.device.type, io_dtype, spec, mode, keep_state, state is None, head_dim, value_dim)
+    fresh_state = state is None
+    if state is None:
+        state = RecurrentState.zeros(
+            batch,
+            kv_heads,
+            spec.feature_dim(head_dim),
+            head_dim,
+            value_dim,
             spec.window,
-            softmax_scale,
-            params.linear_log_scale,
-            spec.sinks,
-            None if log_decay is None else log_decay.to(compute_dtype),
-            spec.kept,
+            q.device,
+            dtype,
+            sinks=spec.sinks,
+            kept=spec.kept,
         )
-        if spec.delta_rule:
-            numerator, denominator = _parallel_delta(
-                parallel_inputs, v, key_mask, strength.to(compute_dtype), spec.additive_mass
-            )
-            log_shift = None
-        else:
-            scores, log_shift = parallel_scores(*parallel_inputs)
-            numerator = grouped_matmul(scores, v)
-            denominator = scores.sum(-1)
-        visible = visible_counts(key_mask, length)
+    weights = key_mask.to(dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
+    augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already; F.pad's backward writes more)
+    augmented, new_state = _finite_state(
+        grouped_q,
+        k,
+        augmented_v,
+        key_mask,
+        state,
+        kernel,
+        mode,
+        spec,
+        softmax_scale,
+        params.linear_log_scale,
+        io_dtype=io_dtype,
+        in_place=in_place,
+        log_decay=None if log_decay is None else log_decay.to(dtype),
+        delta_strength=None if strength is None else strength.to(dtype),
+        flex_inputs=_flex_inputs(input_qkv, io_dtype) if window_fused == "flex" else None,
+        fresh_state=fresh_state,
+        keep_state=keep_state,
+    )
+    numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
+    if length == 1:  # (a decoding step: its one count, as the cumulative sum below has it)
+        new_state.t = state.t + key_mask.view(batch)
+        visible = new_state.t.view(batch, 1, 1)
     else:
-        window_fused = window_backend(
-            q.device.type, out_dtype, spec, mode, needs_state, state is None, head_dim, value_dim
-        )
-        fresh_state = state is None
-        if state is None:
-            state = RecurrentState.zeros(
-                batch,
-                kv_heads,
-                spec.feature_dim(head_dim),
-                head_dim,
-                value_dim,
-                spec.window,
-                q.device,
-                compute_dtype,
-                sinks=spec.sinks,
-                kept=spec.kept,
-            )
-        weights = key_mask.to(compute_dtype)[:, None, :, None].expand(batch, kv_heads, length, 1)
-        augmented_v = torch.cat([v, weights], dim=-1)  # (v is zero at padding already; F.pad's backward writes more)
-        augmented, new_state = _finite_state(
-            grouped_q,
-            k,
-            augmented_v,
-            key_mask,
-            state,
-            kernel,
-            mode,
-            spec,
-            softmax_scale,
-            params.linear_log_scale,
-            io_dtype=out_dtype,
-            in_place=update_state_in_place,
-            log_decay=None if log_decay is None else log_decay.to(compute_dtype),
-            delta_strength=None if strength is None else strength.to(compute_dtype),
-            flex_inputs=_flex_inputs(input_qkv, out_dtype) if window_fused == "flex" else None,
-            fresh_state=fresh_state,
-            keep_state=needs_state,
-        )
-        numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
-        denominator = denominator.squeeze(-1)
-        if length == 1:  # (a decoding step: its one count, as the cumulative sum below has it)
-            new_state.t = state.t + key_mask.view(batch)
-            visible = new_state.t.view(batch, 1, 1)
-        else:
-            visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
-            new_state.t = visible[:, 0, -1]
-        new_state.made_by = tag
-        if not return_state:
-            new_state = None
+        visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
+        new_state.t = visible[:, 0, -1]
+    return numerator, denominator.squeeze(-1), visible, new_state
 
-    out = normalize(
-        numerator.reshape(batch, heads, length, value_dim),
+
+def _normalized(
+    numerator: torch.Tensor,
+    denominator: torch.Tensor,
+    visible: torch.Tensor,
+    log_shift: torch.Tensor | None,
+    query_shape: torch.Size,
+    spec: AttentionSpec,
+    params: AttentionParams,
+    output_gate: torch.Tensor | None,
+) -> torch.Tensor:
+    """`[B, H, L, Dv]`: the spec's normaliser (`ops.normalizers`) applied to a form's numerator (`[B, H, L, Dv]`
+    or grouped, `[B, Hkv, G, L, Dv]`), denominator and log factor (`[B, H, L]` or grouped) with the visible
+    counts `[B, 1, L]`; `query_shape` is q's `[B, H, L, D]`, `output_gate` `[B, H, L]` or None."""
+    batch, heads, length, _ = query_shape
+    return normalize(
+        numerator.reshape(batch, heads, length, -1),
         denominator.reshape(batch, heads, length),
         visible,
         spec,
         params,
-        gates.get("output") if spec.output_gate else None,
+        output_gate,
         None if log_shift is None else log_shift.reshape(batch, heads, length),
     )
-    return out.to(out_dtype), new_state
 
 
 def _parallel_delta(
