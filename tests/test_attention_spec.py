@@ -345,7 +345,9 @@ def test_numpy_arrays_and_values_of_another_kind_are_refused(field, value, messa
 
 
 def test_an_unknown_preset_override_is_named_with_the_fields():
-    with pytest.raises(ValueError, match=r"unknown fields \['colour'\]; allowed fields are \['chunk_size'"):
+    with pytest.raises(
+        ValueError, match=r"unknown fields \['colour'\]; allowed fields are \['additive_mass', 'chunk_size'"
+    ):
         AttentionSpec.from_preset("linear_elu", colour=2)
     with pytest.raises(ValueError, match=r"Unknown attention preset \['linear_elu'\]; expected one of"):
         AttentionSpec.from_preset(["linear_elu"])

@@ -113,7 +113,8 @@ BEFORE_LOADING |= {
     "unsupported-model-type": (
         dict(model="gpt_neox"),
         UserInputError,
-        r"takes a model of type \['gemma2', 'gpt2', 'granite', 'llama', 'mistral', 'mixtral', 'olmo2', 'phi3', "
+        r"takes a model of type \['gemma2', 'gemma3_text', 'gpt2', 'granite', 'llama', 'mistral', 'mixtral', 'olmo2', "
+        r"'phi3', "
         r"'qwen2', 'qwen3', 'qwen3_moe', 'smollm3'\] .*; "
         r"got model_type 'gpt_neox' \(GPTNeoXForCausalLM\)",
     ),
