@@ -163,12 +163,12 @@ class FlexStandIn(torch.autograd.Function):
     (o_w in q's dtype, l_w float32), and q, k, v, o_w and l_w kept for the backward pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, scale, window, sinks):
+    def forward(ctx, q, k, v, key_valid, scale, window, sinks, softcap):
         with inside_kernel():
-            out, lse = window_attention_reference(q, k, v, key_valid, scale, window, sinks)
+            out, lse = window_attention_reference(q, k, v, key_valid, scale, window, sinks, softcap)
             out, lse = out.to(q.dtype), lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.arguments = (key_valid, scale, window, sinks)
+        ctx.arguments = (key_valid, scale, window, sinks, softcap)
         return out, lse
 
     @staticmethod
@@ -178,13 +178,13 @@ class FlexStandIn(torch.autograd.Function):
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             out, lse = window_attention_reference(*leaves, *ctx.arguments)
             grads = torch.autograd.grad((out.to(q.dtype), lse.float()), leaves, (d_out, d_lse))
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
     @staticmethod
-    def window_function(q, k, v, key_valid, scale, window, sinks=0, compiled=True):
+    def window_function(q, k, v, key_valid, scale, window, sinks=0, compiled=True, softcap=None):
         """The stand-in with `flex_window_attention`'s arguments; records what it reads."""
         FlexStandIn.read.append((q, k, v))
-        return FlexStandIn.apply(q, k, v, key_valid, scale, window, sinks)
+        return FlexStandIn.apply(q, k, v, key_valid, scale, window, sinks, softcap)
 
     read: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
