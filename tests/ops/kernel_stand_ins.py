@@ -75,6 +75,22 @@ class AllocatedBytes(TorchDispatchMode):
         return out
 
 
+class LargestTensor(TorchDispatchMode):
+    """The bytes of the largest new tensor an operation returns (views and in-place writes make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable and func not in ALIASING_OPERATIONS:
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            sizes = [x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor)]
+            self.bytes = max([self.bytes, *sizes])
+        return out
+
+
 class DispatchedOperations(TorchDispatchMode):
     """Counts every dispatched operation, views included (on a CPU, about one dispatch each)."""
 

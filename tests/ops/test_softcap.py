@@ -6,6 +6,8 @@
 - Prefill in pieces and decoding steps hand the state on as one call does; a state made under another cap
   is refused.
 - FlexAttention's form (a `score_mod`) and a call whose keys are all exact (SDPA's shortcut) cap too.
+- Exact softmax with a cap runs a block of queries at a time: the values of one block (the L x L form it
+  was), and no L x L tensor of scores, neither computed nor kept for the backward pass.
 """
 
 import importlib
@@ -16,9 +18,10 @@ import torch
 from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.ops import attention, backends
 from hf_softmax_rnn.ops.flex_window import flex_window_attention, window_attention_reference
-from hf_softmax_rnn.ops.softmax import softmax_attention_reference
+from hf_softmax_rnn.ops.softmax import SOFTCAP_QUERY_BLOCK, softcapped_softmax_attention, softmax_attention_reference
 
 from .helpers import as_params, gated, left_padding_mask, make_inputs, make_params
+from .kernel_stand_ins import LargestTensor
 from .test_kept import _assert_same_state, simulated_kept_attention
 from .test_window import naive_window_attention
 
@@ -195,3 +198,61 @@ def test_a_cap_is_refused_without_exact_softmax_scores_or_out_of_range(spec, sof
     params = as_params(make_params(spec))
     with pytest.raises(ValueError, match=message):
         attention(q, k, v, spec, params=params, softcap=softcap)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("query_len", [37, 5, 1], ids=lambda n: f"q{n}")
+@pytest.mark.parametrize("window", [None, 4, 11], ids=["full", "window4", "window11"])
+def test_blocks_of_queries_give_the_values_of_one_block(padded, query_len, window):
+    """Blocks of 8 queries (each against the keys it sees) = one block of every query (the L x L form) to float32
+    round-off, and the float64 reference; queries at the end of 37 keys (decoding from a KV cache) included."""
+    q, k, v, _ = make_inputs(length=37, dtype=torch.float32)
+    q = 3 * q[..., -query_len:, :]
+    key_mask = left_padding_mask(2, 37, [0, 9]).bool() if padded else None
+    blocks = softcapped_softmax_attention(q, k, v, key_mask, 8**-0.5, window, CAP, block=8)
+    one_block = softcapped_softmax_attention(q, k, v, key_mask, 8**-0.5, window, CAP, block=37)
+    torch.testing.assert_close(blocks, one_block, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        blocks, softmax_attention_reference(q, k, v, key_mask, 8**-0.5, window, CAP), rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window4"])
+def test_the_gradients_of_blocks_recomputed_in_the_backward_are_the_reference_s(window):
+    q, k, v, _ = make_inputs(length=21, requires_grad=True)
+    key_mask = left_padding_mask(2, 21, [0, 6]).bool()
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    got = softcapped_softmax_attention(3 * q, k, v, key_mask, 8**-0.5, window, CAP, block=4)
+    want = softmax_attention_reference(3 * q, k, v, key_mask, 8**-0.5, window, CAP)
+    torch.testing.assert_close(got, want, **TOL)
+    for got_grad, want_grad in zip(
+        torch.autograd.grad((got * weights).sum(), (q, k, v)),
+        torch.autograd.grad((want * weights).sum(), (q, k, v)),
+        strict=True,
+    ):
+        torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["full", "window64"])
+def test_capped_exact_softmax_never_holds_a_full_score_matrix(window):
+    """1,024 queries and keys, 2 heads: the largest tensor is one block's scores (128 queries against the keys they
+    see, at most all 1,024; with a window of 64, 191), not the 8 MB of 1,024 x 1,024 scores (float32), and with
+    autograd the call keeps its inputs for the backward pass, not its scores (they are recomputed there)."""
+    length, heads = 1024, 2
+    q, k, v, _ = make_inputs(batch=1, heads=heads, kv_heads=1, length=length, dtype=torch.float32, requires_grad=True)
+    spec = AttentionSpec(window=window)
+    with LargestTensor() as largest, torch.no_grad():
+        attention(q, k, v, spec, softcap=CAP)
+    keys = length if window is None else SOFTCAP_QUERY_BLOCK + window - 1
+    assert largest.bytes <= heads * SOFTCAP_QUERY_BLOCK * keys * 4, largest.bytes
+    storages = {}
+
+    def pack(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out, _ = attention(q, k, v, spec, softcap=CAP)
+    assert sum(storages.values()) < 4 * q.numel() * 4, sum(storages.values())  # q, k, v (float32) and masks
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
