@@ -393,6 +393,13 @@ class AttentionSpec:
         return not self.is_exact_exp and self.score_clamp is None
 
     @property
+    def softcap_applies(self) -> bool:
+        """A cap of the scaled scores (`ops.attention`'s `softcap`, Gemma 2's `attn_logit_softcapping`) has
+        exact softmax scores to bend: kind "softmax" (over its window, if any), or a hybrid's window, sinks
+        and kept positions (its finite state stays uncapped: the cap does not factor into a feature map)."""
+        return self.kind == "softmax" or self.window is not None
+
+    @property
     def effective_feature_map(self) -> str | None:
         """Feature map of the finite-state form ("taylor" for a truncated recurrent softmax)."""
         if self.kind == "recurrent_softmax" and self.taylor_order is not None:

@@ -96,17 +96,19 @@ def check_convertible(config: PreTrainedConfig) -> None:
 
 
 def check_softcapping(config: PreTrainedConfig, layer_specs: Mapping[int, AttentionSpec]) -> None:
-    """Refuse a cap of the attention scores (Gemma 2's `attn_logit_softcapping`) where a layer would not be exact
-    softmax (the cap does not factor into a feature map or a finite state): ValueError naming the value, the layers
-    and the choices."""
+    """Refuse a cap of the attention scores (Gemma 2's `attn_logit_softcapping`) where a layer would have no exact
+    softmax scores to cap (`AttentionSpec.softcap_applies`: not exact softmax, not a window hybrid; the cap does not
+    factor into a feature map or a finite state): ValueError naming the value, the layers and the choices."""
     cap = getattr(config, "attn_logit_softcapping", None)
-    finite = [i for i, layer in layer_specs.items() if layer.kind != "softmax"]
-    if cap is not None and finite and getattr(_family_of_config(config)[0], "softcapped_scores", False):
+    uncapped = [i for i, layer in layer_specs.items() if not layer.softcap_applies]
+    if cap is not None and uncapped and getattr(_family_of_config(config)[0], "softcapped_scores", False):
         raise ValueError(
             f"convert() keeps the attention logit soft-capping of this {config.model_type} model "
-            f"(attn_logit_softcapping={cap}) in exact softmax layers only, but would convert layers {finite}: the "
-            "cap does not factor into a feature map or a finite state. Keep those layers exact (layers=[...]), or "
-            "convert the model without the cap: load it with attn_logit_softcapping=None"
+            f"(attn_logit_softcapping={cap}) in exact softmax scores only, but would convert layers {uncapped} to a "
+            "spec without them: the cap does not factor into a feature map or a finite state. Convert them to a "
+            "window hybrid (window=W: its window, sinks and kept keys take the cap, its finite state stays "
+            "uncapped), keep them exact (layers=[...]), or convert the model without the cap: load it with "
+            "attn_logit_softcapping=None"
         )
 
 
@@ -245,8 +247,9 @@ def convert(
 
     A layer the source limits to its last `sliding_window` positions keeps that window where it stays exact
     softmax (`AttentionSpec(window=W)`); converted, it takes the spec it is given (logged at INFO).
-    A soft-capped model (Gemma 2's `attn_logit_softcapping`) keeps the cap in its exact softmax layers;
-    converting one of its layers to another kind raises (`check_softcapping`).
+    A soft-capped model (Gemma 2's `attn_logit_softcapping`) keeps the cap in its exact softmax layers and in the
+    exact part of its window hybrids (window, sinks, kept keys; the finite state stays uncapped); converting one of
+    its layers to a spec without exact softmax scores raises (`check_softcapping`).
 
     The new parameters start where they change the model least (`RNNParams.reset_parameters`):
     gates open (weight 0, bias 5: sigmoid = 0.993 for every token), norm weight 1 and bias 0,

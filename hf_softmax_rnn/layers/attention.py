@@ -251,7 +251,8 @@ class SoftmaxRNNAttentionMixin:
     values are gated); the ops get the module's `scaling` as the softmax scale.
     Subclasses name the modules that make q, k and v in `QKV_PROJECTIONS` and compute them in
     `project_qkv`, so that a frozen copy of those weights can feed the transfer teacher.
-    Where `SOFTCAPPED_SCORES`, exact softmax caps the scores at `config.attn_logit_softcapping`.
+    Where `SOFTCAPPED_SCORES`, the exact softmax scores (a hybrid's window, sinks and kept keys; not its finite
+    state) and the attention-transfer teacher's are capped at `config.attn_logit_softcapping`.
     """
 
     QKV_PROJECTIONS: tuple[str, ...] = ()
@@ -351,8 +352,8 @@ class SoftmaxRNNAttentionMixin:
             scale=self.scaling,
             check_gate_values=False,  # (sigmoid and log-sigmoid: in range)
         )
-        softcap = getattr(self.config, "attn_logit_softcapping", None) if self.SOFTCAPPED_SCORES else None
-        if softcap is not None:  # (exact softmax layers only: the config refuses it elsewhere)
+        softcap = self._softcap()
+        if softcap is not None:  # (exact softmax and window hybrids only: the config refuses it elsewhere)
             common["softcap"] = softcap
         spec = self.attention_spec
         if cache is None:
@@ -390,16 +391,20 @@ class SoftmaxRNNAttentionMixin:
             out, _ = attention(query, cached_key, gated_value, spec, mode="parallel", **common)
         return out.transpose(1, 2).reshape(batch, length, -1)
 
+    def _softcap(self) -> float | None:
+        """The cap of the scores, `config.attn_logit_softcapping` where `SOFTCAPPED_SCORES`, else None."""
+        return getattr(self.config, "attn_logit_softcapping", None) if self.SOFTCAPPED_SCORES else None
+
     @torch.no_grad()
     def _teacher_output(self, query, key, value, attention_mask, teacher_qkv) -> torch.Tensor:
-        """Exact causal softmax `[B, H, L, D]` on the layer's q, k, v, or on those of the frozen
-        teacher projections when they train."""
+        """Exact causal softmax `[B, H, L, D]` (scores capped as the source model caps them) on the layer's
+        q, k, v, or on those of the frozen teacher projections when they train."""
         if self.has_frozen_teacher:
             if teacher_qkv is None:
                 raise ValueError("attention transfer with a frozen teacher needs `teacher_qkv`")
             query, key, value = teacher_qkv()
         key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
-        return softmax_attention(query, key, value, key_mask, self.scaling)
+        return softmax_attention(query, key, value, key_mask, self.scaling, softcap=self._softcap())
 
     def _transfer_loss(
         self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor | None

@@ -119,8 +119,10 @@ def attention(
             cast to their promoted dtype first. The PyTorch forms compute in that dtype, float32 at
             least, whatever `io_dtype` is.
         softcap: c > 0 caps the scaled scores s of exact softmax at c tanh(s / c) (Gemma 2's
-            `attn_logit_softcapping`); spec kind "softmax" only (the cap does not factor into a finite
-            state). None: no cap.
+            `attn_logit_softcapping`): for spec kind "softmax", and for a window hybrid its exact part
+            (window, sinks, kept keys, and the window softmax that ranks the kept keys), in every mode; a
+            hybrid's finite state stays uncapped (the cap does not factor into a feature map), and a spec
+            without an exact part raises (`AttentionSpec.softcap_applies`). None: no cap.
         check_gate_values: False where the gates are in their ranges by construction (a layer's sigmoid and
             log-sigmoid): their values are then not read, which costs a read on the host per call.
 
@@ -159,7 +161,7 @@ def attention(
         visible = visible_counts(key_mask, q.shape[-2])
     elif mode == "parallel":
         numerator, denominator, log_shift = _parallel_form(
-            q, k, v, key_mask, spec, kernel, softmax_scale, params, log_decay, strength, compute_dtype
+            q, k, v, key_mask, spec, kernel, softmax_scale, params, log_decay, strength, compute_dtype, softcap
         )
         visible = visible_counts(key_mask, q.shape[-2])
     else:
@@ -180,6 +182,7 @@ def attention(
             out_dtype,
             keep_state=needs_state,
             in_place=update_state_in_place,
+            softcap=softcap,
         )
         new_state.made_by = tag
         new_state = new_state if return_state else None
@@ -233,7 +236,7 @@ def _checked_inputs(
     spec.check_mode(mode, q.shape[-1], max_state_bytes)
     heads, head_dim = q.shape[1], q.shape[-1]
     softmax_scale = head_dim**-0.5 if scale is None else float(scale)
-    tag = state_tag(spec, softmax_scale, heads, k.shape[1], head_dim, v.shape[-1])
+    tag = state_tag(spec, softmax_scale, heads, k.shape[1], head_dim, v.shape[-1], softcap)
     if state is not None:
         check_state(state, q, k, v, spec, tag)
     return spec, gates, params, softmax_scale, tag
@@ -326,10 +329,12 @@ def _parallel_form(
     log_decay: torch.Tensor | None,
     strength: torch.Tensor | None,
     dtype: torch.dtype,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(numerator `[B, Hkv, G, L, Dv]`, denominator `[B, Hkv, G, L]`, the per-row log factor the scores were
     divided by `[B, Hkv, G, L]` or None) of the masked L x Lk form (`ops.parallel`), computed in `dtype`;
-    `log_decay` and the delta rule's write strengths `strength` are `[B, Hkv, Lk]`."""
+    `log_decay` and the delta rule's write strengths `strength` are `[B, Hkv, Lk]`; `softcap` caps a hybrid's
+    exact scores."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     batch, heads, length, head_dim = q.shape
     grouped_q = q.view(batch, k.shape[1], heads // k.shape[1], length, head_dim)
@@ -344,6 +349,7 @@ def _parallel_form(
         spec.sinks,
         None if log_decay is None else log_decay.to(dtype),
         spec.kept,
+        softcap,
     )
     if spec.delta_rule:
         numerator, denominator = _parallel_delta(parallel_inputs, v, key_mask, strength.to(dtype), spec.additive_mass)
@@ -369,12 +375,14 @@ def _finite_state_form(
     io_dtype: torch.dtype,
     keep_state: bool,
     in_place: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecurrentState]:
     """(numerator `[B, Hkv, G, L, Dv]`, denominator `[B, Hkv, G, L]`, visible counts `[B, 1, L]`, new state)
     of the chunked or recurrent form (`_finite_state`), computed in `dtype`, from `state` (None: the empty
     state). `io_dtype` is the call's output dtype, which FlexAttention and the fused kernels read. The new
     state's `t` counts the visible positions so far; its `made_by` is the caller's to set. `keep_state`: the
-    caller wants the new state; `in_place`: the state is updated in place (decoding without autograd)."""
+    caller wants the new state; `in_place`: the state is updated in place (decoding without autograd);
+    `softcap` caps a hybrid's exact scores."""
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     input_qkv = (q, k, v)
@@ -415,6 +423,7 @@ def _finite_state_form(
         flex_inputs=_flex_inputs(input_qkv, io_dtype) if window_fused == "flex" else None,
         fresh_state=fresh_state,
         keep_state=keep_state,
+        softcap=softcap,
     )
     numerator, denominator = augmented.split([value_dim, 1], dim=-1)  # (backward: one cat, not two fills)
     if length == 1:  # (a decoding step: its one count, as the cumulative sum below has it)
@@ -527,6 +536,7 @@ def _finite_state(
     flex_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fresh_state: bool = False,
     keep_state: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """Augmented numerator `[B, Hkv, G, L, Dv + 1]` of the chunked or recurrent form, and the new
     state (its `t` is set by the caller); `io_dtype` is the caller's dtype, which a fused GPU
@@ -541,7 +551,9 @@ def _finite_state(
     One recurrent step of a hybrid (decoding) takes `ops.window_step`, the same result in fewer
     operations. `fresh_state`: `state` is the empty state (the kept selection then scores only as many
     slots as can be filled). `keep_state=False`: the caller discards the new state (training), whose
-    window buffers and finite state are then not written where that costs a pass (their fields None)."""
+    window buffers and finite state are then not written where that costs a pass (their fields None).
+    `softcap` caps the exact part's scores (window, sinks, kept keys, and the saliencies that rank the kept
+    keys), never the finite state's."""
     if spec.window is not None and mode == "recurrent" and q.shape[-2] == 1:
         return window_hybrid_step(
             q,
@@ -556,6 +568,7 @@ def _finite_state(
             in_place,
             log_decay,
             delta_strength,
+            softcap,
         )
     packed = state.packed.to(q.dtype)
     length = q.shape[-2]
@@ -595,10 +608,13 @@ def _finite_state(
                 spec.chunk_size,
                 query_valid,
                 _shift_cancels(spec),
+                softcap,
             )
             exact, row_max, saliency = (*band, None)[:3]
         elif spec.kept is not None:  # FlexAttention scores the window: the band only ranks its keys
-            saliency = window_saliency(q, keys, window_valid, window_scale, spec.window, spec.chunk_size, key_mask)
+            saliency = window_saliency(
+                q, keys, window_valid, window_scale, spec.window, spec.chunk_size, key_mask, softcap
+            )
         if spec.kept is not None:
             entering_keys, entering, exact, row_max = _kept_part(
                 q,
@@ -614,6 +630,7 @@ def _finite_state(
                 spec,
                 window_scale,
                 fresh_state,
+                softcap,
             )
     if mode == "chunked":
         linear, packed = chunked_linear_attention(
@@ -640,7 +657,7 @@ def _finite_state(
     if flex_inputs is not None:
         kept_part = None if spec.kept is None else (exact, row_max)
         exact_and_linear = _flex_window_hybrid(
-            *flex_inputs, key_mask, linear, window_scale, spec, linear_log_scale, kept_part
+            *flex_inputs, key_mask, linear, window_scale, spec, linear_log_scale, kept_part, softcap
         )
         return exact_and_linear, new_state
     if spec.sinks is not None:
@@ -648,7 +665,7 @@ def _finite_state(
         sinks = filled_sinks(*old_sinks, k, augmented_v, is_sink[:, spec.window :], ranks[:, spec.window :])
         new_state.sink_keys, new_state.sink_values = sinks
         seen = state.t[:, None] + key_mask.cumsum(-1)
-        exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale)
+        exact, row_max = add_sink_attention(q, exact, row_max, *sinks, seen, window_scale, softcap)
     return exact + linear * mix_weight(linear_log_scale, row_max, k.shape[1]), new_state
 
 
@@ -659,7 +676,20 @@ def _shift_cancels(spec: AttentionSpec) -> bool:
 
 
 def _kept_part(
-    q, keys, leaving_values, ranks, candidates, saliency, exact, row_max, state, new_state, spec, scale, fresh_state
+    q,
+    keys,
+    leaving_values,
+    ranks,
+    candidates,
+    saliency,
+    exact,
+    row_max,
+    state,
+    new_state,
+    spec,
+    scale,
+    fresh_state,
+    softcap=None,
 ):
     """The kept keys of a hybrid with `spec.kept` (`ops.kept`): the stream entering the finite state
     (keys `[B, Hkv, L, D]`, values `[B, Hkv, L, Dv + 1]`), the exact part with the kept keys merged in,
@@ -668,7 +698,7 @@ def _kept_part(
     sink) are the window buffer then the call's positions; `saliency` `[B, Hkv, W + L]` is the call's
     share of each key's saliency. A key ranks by the larger of its saliency and its predecessor's
     (`ops.kept`). From an empty state (`fresh_state`) nothing is kept before the call and the first W
-    leaving keys are the empty window buffer."""
+    leaving keys are the empty window buffer. `softcap` caps the kept keys' scores."""
     window, length = spec.window, q.shape[-2]
     saliency = saliency.to(q.dtype)
     earlier = torch.maximum(saliency[..., :window], state.window_scores.to(q.dtype))  # buffer keys seen before
@@ -694,6 +724,7 @@ def _kept_part(
         held_before=0 if fresh_state else None,
         first_candidate=window if fresh_state else 0,
         any_shift=_shift_cancels(spec),
+        softcap=softcap,
     )
     new_state.window_scores = saliency[..., -window:]
     new_state.left_score = saliency[..., length - 1]
@@ -711,12 +742,14 @@ def _flex_inputs(qkv: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[tor
     return tuple(x.to(dtype, memory_format=torch.contiguous_format) for x in qkv)
 
 
-def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale, kept_part=None) -> torch.Tensor:
+def _flex_window_hybrid(
+    q, k, v, key_mask, linear, scale, spec, log_scale, kept_part=None, softcap=None
+) -> torch.Tensor:
     """The augmented numerator `[B, Hkv, G, L, Dv + 1]` of a hybrid from an empty state: its exact part
     (window and sinks) in FlexAttention, which reads the caller's q `[B, H, L, D]`, k and v (zero at
     padding) in the caller's dtype, contiguous (`_flex_inputs`), and `linear` (`[B, Hkv, G, L, Dv + 1]`)
     beyond them. `kept_part`: the exact part over the kept keys (numerator `[B, Hkv, G, L, Dv + 1]`, row
-    max `[..., 1]`), merged with the window's under one row max."""
+    max `[..., 1]`), merged with the window's under one row max. `softcap` caps the window's scores."""
     out, lse = flex_window_attention(
         q,
         k,
@@ -726,6 +759,7 @@ def _flex_window_hybrid(q, k, v, key_mask, linear, scale, spec, log_scale, kept_
         spec.window,
         sinks=spec.sinks or 0,
         compiled=q.is_cuda,
+        softcap=softcap,
     )
     per_head = (*q.shape[:3], -1)  # [B, Hkv, G, L, X] -> [B, H, L, X]
     kept = None if kept_part is None else tuple(x.reshape(per_head) for x in kept_part)

@@ -95,15 +95,18 @@ def check_arguments(gates, params, scale, max_state_bytes, switches: dict[str, o
 
 
 def check_softcap(softcap, spec) -> None:
-    """`softcap` is None or a finite number > 0, and only for exact softmax (spec kind "softmax")."""
+    """`softcap` is None or a finite number > 0, and only where the spec has exact softmax scores to cap
+    (`AttentionSpec.softcap_applies`: exact softmax, or a window hybrid's exact part)."""
     if softcap is None:
         return
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap <= 0:
         raise ValueError(f"attention: softcap={softcap!r} is not allowed; expected None or a finite number > 0")
-    if spec.kind != "softmax":
+    if not spec.softcap_applies:
         raise ValueError(
-            f"attention: softcap={softcap} caps exact softmax scores, but the spec has kind={spec.kind!r} "
-            "(the cap does not factor into a feature map or a finite state); expected kind='softmax' or softcap=None"
+            f"attention: softcap={softcap} caps exact softmax scores, but the spec (kind={spec.kind!r}, "
+            f"window={spec.window}) has none (the cap does not factor into a feature map or a finite state); "
+            "expected kind='softmax', a window hybrid (window=W: its window, sinks and kept keys take the cap) "
+            "or softcap=None"
         )
 
 

@@ -14,7 +14,8 @@ computed as the augmented numerator [o_w + c N, 1 + c G] with c = e^{lambda - l_
 `ops.window.mix_weight`): the same row divided by e^{l_w}, which the normalisers allowed with a
 window ignore, so nothing overflows. A row that sees no exact key (padding) has l_w = -inf and
 keeps only the finite-state part. Kept keys beside the window (`ops.kept`) are a second exact part,
-merged with the window's under one row max first.
+merged with the window's under one row max first. A cap of the scores (`softcap`, Gemma 2's) is
+FlexAttention's `score_mod`; the finite-state part is never capped.
 
 `window_attention_reference` is the same (o_w, l_w) as a dense masked softmax, differentiable on
 every device and in float64: the tests' reference, and the stand-in where FlexAttention has no
@@ -29,6 +30,7 @@ import importlib
 
 import torch
 
+from hf_softmax_rnn.ops.kernels import soft_cap
 from hf_softmax_rnn.ops.window import MAX_MIX_EXPONENT, merge_exact
 
 
@@ -56,12 +58,16 @@ def window_attention_reference(
     scale: float,
     window: int,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_w `[B, H, L, Dv]`, l_w `[B, H, L]`) of the exact part as a dense masked softmax; o_w = 0 and
-    l_w = -inf where a row sees no key. O(L^2) memory: tests and short calls."""
+    """(o_w `[B, H, L, Dv]`, l_w `[B, H, L]`) of the exact part as a dense masked softmax of the scores (bent
+    by `softcap`, `ops.kernels.soft_cap`); o_w = 0 and l_w = -inf where a row sees no key. O(L^2) memory:
+    tests and short calls."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    x = (scale * q @ k.mT).masked_fill(~exact_visibility(key_valid, window, sinks)[:, None], float("-inf"))
+    x = soft_cap(scale * q @ k.mT, softcap).masked_fill(
+        ~exact_visibility(key_valid, window, sinks)[:, None], float("-inf")
+    )
     lse = torch.logsumexp(x, dim=-1)
     weights = torch.exp(x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
     return weights @ v, lse
@@ -100,23 +106,42 @@ def flex_window_attention(
     window: int,
     sinks: int = 0,
     compiled: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_w `[B, H, L, Dv]` in q's dtype, l_w `[B, H, L]` float32) of the exact part through
     FlexAttention with a sliding-window (+ sinks) block mask: only the blocks along the band (and
     the sink columns) are computed. `compiled`: mask and attention through `torch.compile` (the
-    fused kernel; CUDA); False runs FlexAttention's eager form (forward only on CPU). Each new
-    (shape, dtype, window, sinks) compiles once more."""
+    fused kernel; CUDA); False runs FlexAttention's eager form (forward only on CPU). `softcap`: the
+    cap of the scores as FlexAttention's `score_mod` (`_capped_scores`). Each new (shape, dtype, window,
+    sinks, softcap) compiles once more."""
     batch, _, length, _ = q.shape
     # the kernel may evaluate the mask at indices past L in its last block: read False there
     readable = torch.nn.functional.pad(key_valid, (0, -length % _BLOCK + _BLOCK), value=False)
     mask_mod = _mask_mod(readable, first_visible(key_valid), window, sinks)
     block_mask = _flex_function("create_block_mask", compiled)(mask_mod, batch, None, length, length, device=q.device)
-    attend = _flex_function("flex_attention", compiled)
+    attend = functools.partial(
+        _flex_function("flex_attention", compiled),
+        score_mod=None if softcap is None else _capped_scores(float(softcap)),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     aux_request = _aux_request()
     if aux_request is None:  # older PyTorch: the log-sum-exp through return_lse
-        return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
-    out, aux = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux_request(lse=True))
+        return attend(q, k, v, return_lse=True)
+    out, aux = attend(q, k, v, return_aux=aux_request(lse=True))
     return out, aux.lse
+
+
+@functools.cache
+def _capped_scores(softcap: float):
+    """FlexAttention's `score_mod` bending each scaled score s to softcap * tanh(s / softcap); one function per
+    cap, so that the compiled kernel is reused."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
 
 
 @functools.cache

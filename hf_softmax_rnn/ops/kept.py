@@ -124,6 +124,7 @@ def select_kept(
     held_before: int | None = None,
     first_candidate: int = 0,
     any_shift: bool = False,
+    softcap: float | None = None,
 ) -> KeptSelection:
     """The kept keys of each step of a call, every step at once.
 
@@ -151,6 +152,7 @@ def select_kept(
             about as many slots as it can hold at most (`_slot_groups`), instead of K.
         any_shift: `row_max` may be any per-row shift (the caller's normaliser divides by the
             denominator): the log-sum-exp of the fused CPU kernel where it applies (`ops.window`).
+        softcap: the cap of the kept keys' scores (`ops.kernels.soft_cap`), None for none.
     """
     batch, kv_heads, length = q.shape[0], q.shape[1], q.shape[3]
     kept = buffers[0].shape[2]
@@ -178,6 +180,7 @@ def select_kept(
             stop - first,
             block,
             any_shift,
+            softcap,
         )
         numerators.append(numerator)
         maxima.append(row_max)
@@ -323,17 +326,18 @@ def _blocked_exact_part(
     blocks: int,
     block: int,
     any_shift: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`masked_exp_part` of each block of C queries over its own N keys, all blocks in one product (with
-    `any_shift`, through the fused CPU kernel where it applies, under the log-sum-exp): q
+    `any_shift` and no `softcap`, through the fused CPU kernel where it applies, under the log-sum-exp): q
     `[B, Hkv, G, L, D]`, keys `[B, Hkv, blocks, N, D]`, values `[B, Hkv, blocks, N, Dv + 1]`, visible
     `[B, Hkv, blocks, C, N]` -> (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max)."""
     batch, kv_heads, groups, length, _ = q.shape
-    if any_shift and flash_applies(q, keys, values):
+    if any_shift and softcap is None and flash_applies(q, keys, values):
         numerator, shift = flash_block_part(query_blocks(q, blocks, block), keys, values, visible, scale)
         return per_query(numerator, groups, length), per_query(shift, groups, length)
     seen = visible[:, :, :, None]  # [B, Hkv, blocks, 1, C, N]
-    weights, shift = blocked_exp(query_blocks(q, blocks, block), keys.mT, seen, scale, groups)
+    weights, shift = blocked_exp(query_blocks(q, blocks, block), keys.mT, seen, scale, groups, softcap)
     weights = weights.view(batch, kv_heads, blocks, groups * block, -1)
     shift = shift.masked_fill(~seen.any(-1, keepdim=True), float("-inf"))
     return per_query(weights @ values, groups, length), per_query(shift, groups, length)

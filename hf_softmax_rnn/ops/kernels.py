@@ -56,6 +56,16 @@ def row_shift(x: torch.Tensor) -> torch.Tensor:
     return finite_or_zero(x.detach().amax(-1, keepdim=True))  # (no autograd node keeping x)
 
 
+def soft_cap(x: torch.Tensor, softcap: float | None, in_place: bool = False) -> torch.Tensor:
+    """Scaled exact scores `x` bent to softcap * tanh(x / softcap) (Gemma 2's `attn_logit_softcapping`), or `x`
+    itself where `softcap` is None; `in_place`: written over `x` (no autograd)."""
+    if softcap is None:
+        return x
+    if in_place:
+        return x.div_(softcap).tanh_().mul_(softcap)
+    return torch.tanh(x / softcap) * softcap
+
+
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     """`x` with 0 where it is not finite (one operation; `torch.isfinite` and `where` take six on a GPU).
     For values without a gradient: its backward is `isfinite`'s passes again."""

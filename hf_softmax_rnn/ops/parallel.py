@@ -15,7 +15,7 @@ import torch
 from hf_softmax_rnn.ops.decay import decay_weights
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kept import kept_schedule, rank_scores
-from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift
+from hf_softmax_rnn.ops.kernels import ExpKernel, FeatureKernel, row_shift, soft_cap
 from hf_softmax_rnn.ops.sinks import sink_mask
 from hf_softmax_rnn.ops.window import mix_weight, window_visibility
 
@@ -48,11 +48,14 @@ def parallel_scores(
     sinks: int | None = None,
     log_decay: torch.Tensor | None = None,
     kept: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The masked score matrix a_ts `[B, Hkv, G, Lq, Lk]` (zero where not visible), and the per-row
     log factor it was divided by when the normaliser must know it (`[B, Hkv, G, Lq]`, else None):
     the sum of `parallel_parts`' exact and finite-state scores."""
-    parts = parallel_parts(q, k, key_mask, kernel, window, window_scale, linear_log_scale, sinks, log_decay, kept)
+    parts = parallel_parts(
+        q, k, key_mask, kernel, window, window_scale, linear_log_scale, sinks, log_decay, kept, softcap
+    )
     scores = parts.finite if parts.exact is None else parts.exact + parts.finite
     return scores, parts.log_shift
 
@@ -86,6 +89,7 @@ def parallel_parts(
     sinks: int | None = None,
     log_decay: torch.Tensor | None = None,
     kept: int | None = None,
+    softcap: float | None = None,
 ) -> ParallelParts:
     """The parallel form's scores by part (`ParallelParts`).
 
@@ -96,7 +100,9 @@ def parallel_parts(
     With `kept`, the keys each query keeps (`ops.kept.kept_schedule`, queries at every position:
     Lq == Lk) are scored like the window too, and enter the finite state when they stop being kept.
     With `log_decay` `[B, Hkv, Lk]`, the finite-state scores are multiplied by the decay since the
-    key entered the state (`ops.decay.decay_weights`).
+    key entered the state (`ops.decay.decay_weights`). With `softcap` c, the exact scores x (window, sinks,
+    kept keys, and the window softmax that ranks the kept keys) are c tanh(x / c); the finite-state
+    scores are not capped.
     """
     visible = visible_mask(key_mask, q.shape[-2])
     key_len = k.shape[-2]
@@ -109,7 +115,7 @@ def parallel_parts(
     near = visible & window_visibility(q.shape[-2], key_len, window, q.device)
     sink = torch.zeros_like(key_mask) if sinks is None else sink_mask(key_mask, sinks)
     near = near | (visible & sink[:, None, None, None, :])
-    x = grouped_matmul(q * window_scale, k.mT)
+    x = soft_cap(grouped_matmul(q * window_scale, k.mT), softcap)
     entry = positions + window
     if kept is not None:
         in_window = near & ~sink[:, None, None, None, :]

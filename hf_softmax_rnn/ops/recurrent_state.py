@@ -34,7 +34,7 @@ class RecurrentState:
     A short convolution (`spec.short_conv` = K) adds `conv_tail` `[B, Hkv, K - 1, D + Dv]`: the last K - 1
     keys and values before the convolution (`ops.short_conv`), which the attention layer applies and
     stores here; `attention` itself neither reads nor writes it.
-    `made_by`: what made the state (`state_tag`: the spec, scale and head layout), compared by
+    `made_by`: what made the state (`state_tag`: the spec, scale, head layout and score cap), compared by
     equality when it is passed back, so that a state of another spec is refused whatever its
     shapes; None for a state built by hand (only its shapes are checked).
     """
@@ -121,9 +121,18 @@ class RecurrentState:
         )
 
 
-def state_tag(spec: AttentionSpec, scale: float, heads: int, kv_heads: int, head_dim: int, value_dim: int) -> tuple:
+def state_tag(
+    spec: AttentionSpec,
+    scale: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    value_dim: int,
+    softcap: float | None = None,
+) -> tuple:
     """What a state made by `spec` holds: every spec field but `chunk_size` (which changes how the
-    state is computed, not what it holds), the q.k scale and the head layout, as (name, value) pairs."""
+    state is computed, not what it holds), the q.k scale, the head layout and the cap of the exact
+    scores (which ranked the kept keys), as (name, value) pairs."""
     fields = tuple((field.name, getattr(spec, field.name)) for field in dataclasses.fields(spec))
     layout = (
         ("scale", scale),
@@ -131,5 +140,6 @@ def state_tag(spec: AttentionSpec, scale: float, heads: int, kv_heads: int, head
         ("kv_heads", kv_heads),
         ("head_dim", head_dim),
         ("value_dim", value_dim),
+        ("softcap", softcap),
     )
     return tuple(item for item in fields if item[0] != "chunk_size") + layout

@@ -69,6 +69,7 @@ def add_sink_attention(
     sink_values: torch.Tensor,
     seen: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact part over window and sinks under one row shift.
 
@@ -79,11 +80,13 @@ def add_sink_attention(
         sink_keys, sink_values: the sink buffers after this call's sinks were written.
         seen: `[B, L]` visible positions up to and including each query: slot j is visible to it
             when j < seen.
-        scale: multiplier of q.k.
+        scale: multiplier of q.k; softcap: the cap of the sinks' scores (`ops.kernels.soft_cap`), None for none.
 
     Returns:
         (`[B, Hkv, G, L, Dv + 1]` exact numerator, `[B, Hkv, G, L, 1]` joint row max, detached).
     """
     slots = torch.arange(sink_keys.shape[2], device=q.device)
     visible = (slots < seen[..., None])[:, None, None]  # [B, 1, 1, L, S]
-    return merge_exact(window_numerator, window_max, *masked_exp_part(q, sink_keys, sink_values, visible, scale))
+    return merge_exact(
+        window_numerator, window_max, *masked_exp_part(q, sink_keys, sink_values, visible, scale, softcap)
+    )

@@ -21,6 +21,10 @@ fused CPU flash-attention kernel with the block mask (`flash_block_part`): one p
 a block's scores. It returns the log-sum-exp as the row's shift, which the merges and the finite part's
 weight take as they take the row max; so only where the normaliser divides by the denominator (the
 softmax normaliser: the others see the shift through their eps or their counts).
+
+With a cap of the scores (`softcap` c, Gemma 2's `attn_logit_softcapping`), every exact score x is
+c tanh(x / c) before its exp (`ops.kernels.soft_cap`): in the band, the sinks, the kept keys and the
+saliencies that rank them. The fused CPU kernel cannot bend the scores, so capped calls take the block forms.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.grouping import grouped_matmul
-from hf_softmax_rnn.ops.kernels import finite_or_zero, row_shift
+from hf_softmax_rnn.ops.kernels import finite_or_zero, row_shift, soft_cap
 
 
 def banded_exp_attention(
@@ -42,6 +46,7 @@ def banded_exp_attention(
     block: int,
     query_valid: torch.Tensor | None = None,
     any_shift: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """sum over the window of exp(x - m) [v, 1] and m (and, with `query_valid`, each key's saliency).
 
@@ -57,6 +62,8 @@ def banded_exp_attention(
         any_shift: the caller's normaliser divides by the denominator, so m may be any per-row shift
             that keeps exp finite: without saliencies, the log-sum-exp of the fused CPU kernel
             (`flash_block_part`) where it applies.
+        softcap: c bends the scores x to c tanh(x / c) (`ops.kernels.soft_cap`; the saliencies read
+            them bent too); None: no cap.
 
     Returns:
         (`[B, Hkv, G, L, Dv']` window numerator, `[B, Hkv, G, L, 1]` row max m (or with `any_shift` the
@@ -65,9 +72,10 @@ def banded_exp_attention(
     """
     batch, kv_heads, groups, length, _ = q.shape
     block = max(1, min(block, length))
-    if any_shift and query_valid is None and flash_applies(q, keys, values):  # (saliencies need e^{x - m})
+    # (saliencies need e^{x - m}; the fused kernel cannot bend the scores)
+    if any_shift and query_valid is None and softcap is None and flash_applies(q, keys, values):
         return _flash_band(q, keys, values, key_valid, scale, window, block)
-    weights, row_max = _band_weights(q, keys, key_valid, scale, window, block)
+    weights, row_max = _band_weights(q, keys, key_valid, scale, window, block, softcap)
     blocks, span = weights.shape[2], weights.shape[-1]
     value_blocks = _windows(F.pad(values, (0, 0, 0, blocks * block - length)), 2, span, block)
     numerator = weights.view(batch, kv_heads, blocks, groups * block, span) @ value_blocks.mT
@@ -85,12 +93,13 @@ def window_saliency(
     window: int,
     block: int,
     query_valid: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`[B, Hkv, W + L]` the saliencies `banded_exp_attention` returns with `query_valid`, without its
     numerator (the window's exact part computed elsewhere, FlexAttention's); no autograd."""
     block = max(1, min(block, q.shape[-2]))
     with torch.no_grad():
-        weights, _ = _band_weights(q, keys, key_valid, scale, window, block)
+        weights, _ = _band_weights(q, keys, key_valid, scale, window, block, softcap)
         return _saliency(weights.transpose(2, 3), query_valid, block, window, q.shape[-2])
 
 
@@ -105,7 +114,13 @@ def _band_mask(key_valid: torch.Tensor, window: int, block: int, blocks: int) ->
 
 
 def _band_weights(
-    q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scale: float, window: int, block: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    window: int,
+    block: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e^{x - m} `[B, Hkv, blocks, G, C, C + W]`, 0 where masked; m `[B, Hkv, blocks, G * C, 1]`, detached)
     of each block of C queries against its C + W keys (arguments as `banded_exp_attention`'s)."""
@@ -115,26 +130,32 @@ def _band_weights(
     q = query_blocks(q, blocks, block)
     key_blocks = _windows(F.pad(keys, (0, 0, 0, pad)), 2, span, block)  # [B, Hkv, blocks, D, C + W]
     visible = _band_mask(key_valid, window, block, blocks)[:, :, :, None]
-    weights, row_max = blocked_exp(q, key_blocks, visible, scale, groups)
+    weights, row_max = blocked_exp(q, key_blocks, visible, scale, groups, softcap)
     return weights, row_max.view(batch, kv_heads, blocks, groups * block, 1)
 
 
 def blocked_exp(
-    q_blocks: torch.Tensor, key_columns: torch.Tensor, visible: torch.Tensor, scale: float, groups: int
+    q_blocks: torch.Tensor,
+    key_columns: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    groups: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e^{x - m} `[B, Hkv, blocks, G, C, N]`, 0 where not `visible`; the row max m `[..., 1]`, detached) of
-    x = scale q.k for the queries of each block (`query_blocks`, `[B, Hkv, blocks, G * C, D]`) against its
-    own N keys as columns `[B, Hkv, blocks, D, N]`; `visible` broadcasts to x. The queries are scaled
-    before the product (D wide, not N). Without autograd (prefill, evaluation) the mask, the shift and
-    the exp are written over the product: one tensor of N columns a row instead of four. (With autograd,
+    x = scale q.k (bent by `softcap`, `ops.kernels.soft_cap`) for the queries of each block (`query_blocks`,
+    `[B, Hkv, blocks, G * C, D]`) against its own N keys as columns `[B, Hkv, blocks, D, N]`; `visible`
+    broadcasts to x. The queries are scaled before the product (D wide, not N). Without autograd (prefill,
+    evaluation) the cap, the mask, the shift and the exp are written over the product: one tensor of N
+    columns a row instead of four. (With autograd,
     writing over a view of the product would make its backward copy the whole band.)"""
     batch, kv_heads, blocks, rows, _ = q_blocks.shape
     x = ((q_blocks * scale) @ key_columns).view(batch, kv_heads, blocks, groups, rows // groups, -1)
     if x.requires_grad:
-        x = x.masked_fill(~visible, float("-inf"))
+        x = soft_cap(x, softcap).masked_fill(~visible, float("-inf"))
         row_max = row_shift(x)
         return torch.exp(x - row_max), row_max
-    row_max = row_shift(x.masked_fill_(~visible, float("-inf")))
+    row_max = row_shift(soft_cap(x, softcap, in_place=True).masked_fill_(~visible, float("-inf")))
     return x.sub_(row_max).exp_(), row_max
 
 
@@ -257,20 +278,26 @@ def _block_maxima(per_block: torch.Tensor, block: int, window: int, length: int)
 
 
 def masked_exp_part(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact part over a set of keys beside the window (sinks, kept keys): the sum over the visible
     keys of e^{x - m} [v, 1] and m.
 
     Args:
         q: grouped queries `[B, Hkv, G, L, D]`; keys, values: `[B, Hkv, N, D]`, `[B, Hkv, N, Dv + 1]`.
-        visible: bool, broadcastable to `[B, Hkv, G, L, N]`; scale: multiplier of q.k.
+        visible: bool, broadcastable to `[B, Hkv, G, L, N]`; scale: multiplier of q.k; softcap: the cap
+            of the scores (`ops.kernels.soft_cap`), None for none.
 
     Returns:
         (`[B, Hkv, G, L, Dv + 1]` numerator, `[B, Hkv, G, L, 1]` row max m, detached; -inf where a query
         sees none of the keys), as `merge_exact` takes them.
     """
-    x = grouped_matmul(q * scale, keys.mT).masked_fill(~visible, float("-inf"))
+    x = soft_cap(grouped_matmul(q * scale, keys.mT), softcap).masked_fill(~visible, float("-inf"))
     shift = row_shift(x)
     empty = ~visible.any(-1, keepdim=True)
     return grouped_matmul(torch.exp(x - shift), values), shift.masked_fill(empty, float("-inf"))

@@ -29,7 +29,7 @@ import torch
 
 from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.ops.kept import exchange_slots, kept_step, write_slots
-from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero, row_shift
+from hf_softmax_rnn.ops.kernels import FeatureKernel, finite_or_zero, row_shift, soft_cap
 from hf_softmax_rnn.ops.linear import recurrent_linear_attention, recurrent_state_step
 from hf_softmax_rnn.ops.recurrent_state import RecurrentState
 from hf_softmax_rnn.ops.window import mix_weight
@@ -48,6 +48,7 @@ def window_hybrid_step(
     in_place: bool = False,
     log_decay: torch.Tensor | None = None,
     delta_strength: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, RecurrentState]:
     """The augmented numerator `[B, Hkv, G, 1, Dv + 1]` of one position and the state after it (its
     `t` and `made_by` are left to the caller).
@@ -60,6 +61,7 @@ def window_hybrid_step(
             finite-state part.
         in_place, log_decay, delta_strength: as `ops.linear.recurrent_linear_attention` takes them
             (`[B, Hkv, 1]`).
+        softcap: the cap of the exact scores (window, sinks, kept keys; `ops.kernels.soft_cap`), None for none.
     """
     dtype, window, sinks = q.dtype, spec.window, spec.sinks
     batch, kv_heads, groups = q.shape[:3]
@@ -121,7 +123,9 @@ def window_hybrid_step(
     scaled_q = (q * scale).reshape(pairs, groups, -1)
     scores = [torch.bmm(scaled_q, part.reshape(pairs, *part.shape[2:]).mT) for part in keys]  # (keys not copied)
     x = (torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]).view(batch, kv_heads, groups, -1)
-    x = x.masked_fill((torch.cat(hidden, dim=-1) if len(hidden) > 1 else hidden[0]).unsqueeze(2), -torch.inf)
+    x = soft_cap(x, softcap).masked_fill(
+        (torch.cat(hidden, dim=-1) if len(hidden) > 1 else hidden[0]).unsqueeze(2), -torch.inf
+    )
     row_max = row_shift(x)  # [B, Hkv, G, 1]
     weights = torch.exp(x - row_max).view(pairs, groups, -1)
     numerator, start = None, 0

@@ -54,17 +54,19 @@ def test_flex_window_hybrid_matches_float64_reference(name, dtype, pad, fla_call
     assert flex_calls == [dtype] and {called for called, _ in fla_calls} == {dtype}
 
 
+@pytest.mark.parametrize("softcap", [None, 1.0], ids=["uncapped", "softcap1"])
 @pytest.mark.parametrize("sinks", [0, 4], ids=["no_sinks", "sinks4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_flex_window_part_matches_dense_reference(dtype, sinks):
+def test_flex_window_part_matches_dense_reference(dtype, sinks, softcap):
+    """With a soft cap of the scores (Gemma 2's), FlexAttention's `score_mod` bends them as the reference does."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(2, HEADS, LENGTH, HEAD_DIM), *[(2, KV_HEADS, LENGTH, HEAD_DIM)] * 2]
     cpu = [torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_() for shape in shapes]
     gpu = [x.detach().to("cuda", dtype).requires_grad_() for x in cpu]
     valid = left_padding_mask(2, LENGTH, [0, 37]).bool()
     scale, window = HEAD_DIM**-0.5, 64
-    want_out, want_lse = window_attention_reference(*cpu, valid, scale, window, sinks)
-    got_out, got_lse = flex_window_attention(*gpu, valid.cuda(), scale, window, sinks)
+    want_out, want_lse = window_attention_reference(*cpu, valid, scale, window, sinks, softcap)
+    got_out, got_lse = flex_window_attention(*gpu, valid.cuda(), scale, window, sinks, softcap=softcap)
     rows = valid[:, None, :].expand_as(want_lse)
     assert _relative_error(got_out[rows.cuda()], want_out[rows]) < TOLERANCE[dtype]
     assert _relative_error(got_lse[rows.cuda()], want_lse[rows]) < TOLERANCE[dtype]

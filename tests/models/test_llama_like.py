@@ -40,7 +40,7 @@ from transformers import (
 
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.convert import check_convertible, converted_model_type
-from hf_softmax_rnn.layers import softmax_rnn_attention_modules
+from hf_softmax_rnn.layers import set_attention_transfer, softmax_rnn_attention_modules
 from hf_softmax_rnn.models import LLAMA_LIKE_CONFIGS, LLAMA_LIKE_FAMILIES
 
 from .helpers import LLAMA_SHAPE, left_padded_batch, perturb_rnn_params
@@ -362,18 +362,70 @@ def test_attention_soft_capping_is_refused_for_finite_state_layers_before_the_we
     config = Gemma2Config(**SHAPE, layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
     converted = "[0, 1]" if layers is None else "[1]"
     message = (
-        rf"attn_logit_softcapping=50.0\) in exact softmax layers only, but would convert layers {re.escape(converted)}"
-        r".* load it with attn_logit_softcapping=None"
+        rf"attn_logit_softcapping=50.0\) in exact softmax scores only, but would convert layers "
+        rf"{re.escape(converted)} to a spec without them: .* Convert them to a window hybrid \(window=W: .*"
+        r" load it with attn_logit_softcapping=None"
     )
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         convert(tmp_path, "linear_elu", layers=layers)
     with pytest.raises(ValueError, match=message):
         convert(Gemma2ForCausalLM(config), "linear_elu", layers=layers)
-    with pytest.raises(StrictDataclassClassValidationError, match=r"attn_logit_softcapping=50.0, .* layers \[0, 1\]"):
+    with pytest.raises(
+        StrictDataclassClassValidationError,
+        match=r"attn_logit_softcapping=50.0, .* layers \[0, 1\] have none .* expected those layers kind='softmax', a "
+        r"window hybrid",
+    ):
         LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attention="linear_elu", attn_logit_softcapping=50.0)
     assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE, attn_logit_softcapping=50.0).attn_logit_softcapping == 50.0
     assert LLAMA_LIKE_CONFIGS["Gemma2"](**SHAPE).attn_logit_softcapping is None
+
+
+#: A window hybrid with every exact part (window, sinks, kept keys) and a decayed finite state.
+CAPPED_HYBRID = AttentionSpec(
+    kind="linear", feature_map="hedgehog", window=3, sinks=2, kept=2, decay=True, chunk_size=4
+)
+
+
+def test_a_soft_capped_gemma2_converts_to_a_window_hybrid_that_caps_its_exact_part():
+    """Gemma 2 with a cap of 0.3 (a sliding layer 0 of window 4) converted to a window hybrid: the cap stays in the
+    config and in the layers' exact part (the logits move without it), the parallel and chunked forms agree, and
+    greedy generation from the recurrent state (5 new tokens past the 7 exact positions: the finite state is read)
+    gives the tokens and the logits of recomputation without a cache, from a dynamic or a static cache."""
+    source = Gemma2ForCausalLM(Gemma2Config(**SHAPE, **GEMMA2_SOFTCAP, sliding_window=4)).eval()
+    with torch.no_grad():  # scores of a few units, which the cap bends
+        for layer in source.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    converted = perturb_rnn_params(convert(source, CAPPED_HYBRID)).eval()
+    assert converted.config.attn_logit_softcapping == 0.3
+    assert converted.config.layer_types == ["softmax_rnn_recurrent"] * 2
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    chunked = logits(converted, ids, mask)
+    for module in softmax_rnn_attention_modules(converted):
+        module.set_attention_mode("parallel")
+    torch.testing.assert_close(logits(converted, ids, mask)[visible], chunked[visible], atol=2e-5, rtol=0)
+    cached = greedy(converted, ids, mask, output_logits=True, return_dict_in_generate=True)
+    uncached = greedy(converted, ids, mask, output_logits=True, return_dict_in_generate=True, use_cache=False)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for step_cached, step_uncached in zip(cached.logits, uncached.logits, strict=True):
+        torch.testing.assert_close(step_cached, step_uncached, atol=1e-4, rtol=0)
+    assert torch.equal(greedy(converted, ids, mask, cache_implementation="static"), cached.sequences)
+    converted.config.attn_logit_softcapping = None
+    assert (logits(converted, ids, mask)[visible] - chunked[visible]).abs().max() > 1e-2
+
+
+def test_the_attention_transfer_teacher_of_a_soft_capped_model_caps_its_scores():
+    """With teacher forcing, every converted layer passes on the teacher's output: the original's exact softmax, cap
+    included, so the logits are the original Gemma 2's."""
+    source = Gemma2ForCausalLM(Gemma2Config(**SHAPE, **{**GEMMA2, "attn_logit_softcapping": 0.3})).eval()
+    converted = perturb_rnn_params(convert(source, CAPPED_HYBRID)).eval()
+    set_attention_transfer(converted, True)
+    ids, mask = left_padded_batch()
+    visible = mask.bool()
+    torch.testing.assert_close(
+        logits(converted, ids, mask)[visible], logits(source, ids, mask)[visible], atol=2e-6, rtol=0
+    )
 
 
 def test_a_softcap_that_the_family_ignores_stays_ignored():

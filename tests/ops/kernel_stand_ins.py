@@ -75,6 +75,22 @@ class AllocatedBytes(TorchDispatchMode):
         return out
 
 
+class LargestTensor(TorchDispatchMode):
+    """The bytes of the largest new tensor an operation returns (views and in-place writes make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable and func not in ALIASING_OPERATIONS:
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            sizes = [x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor)]
+            self.bytes = max([self.bytes, *sizes])
+        return out
+
+
 class DispatchedOperations(TorchDispatchMode):
     """Counts every dispatched operation, views included (on a CPU, about one dispatch each)."""
 
@@ -163,12 +179,12 @@ class FlexStandIn(torch.autograd.Function):
     (o_w in q's dtype, l_w float32), and q, k, v, o_w and l_w kept for the backward pass."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, scale, window, sinks):
+    def forward(ctx, q, k, v, key_valid, scale, window, sinks, softcap):
         with inside_kernel():
-            out, lse = window_attention_reference(q, k, v, key_valid, scale, window, sinks)
+            out, lse = window_attention_reference(q, k, v, key_valid, scale, window, sinks, softcap)
             out, lse = out.to(q.dtype), lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.arguments = (key_valid, scale, window, sinks)
+        ctx.arguments = (key_valid, scale, window, sinks, softcap)
         return out, lse
 
     @staticmethod
@@ -178,13 +194,13 @@ class FlexStandIn(torch.autograd.Function):
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             out, lse = window_attention_reference(*leaves, *ctx.arguments)
             grads = torch.autograd.grad((out.to(q.dtype), lse.float()), leaves, (d_out, d_lse))
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
     @staticmethod
-    def window_function(q, k, v, key_valid, scale, window, sinks=0, compiled=True):
+    def window_function(q, k, v, key_valid, scale, window, sinks=0, compiled=True, softcap=None):
         """The stand-in with `flex_window_attention`'s arguments; records what it reads."""
         FlexStandIn.read.append((q, k, v))
-        return FlexStandIn.apply(q, k, v, key_valid, scale, window, sinks)
+        return FlexStandIn.apply(q, k, v, key_valid, scale, window, sinks, softcap)
 
     read: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 

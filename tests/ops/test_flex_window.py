@@ -193,7 +193,7 @@ def test_attention_runs_the_window_part_in_flex_where_the_backend_allows(monkeyp
             q.float(), k.float(), v.float(), spec, mode="chunked", attention_mask=mask, params=float_params,
             return_state=False, gates={name: x.float() for name, x in gates.items()},
         )  # fmt: skip
-        assert state is None and calls == [{"sinks": spec.sinks or 0, "compiled": False}]
+        assert state is None and calls == [{"sinks": spec.sinks or 0, "compiled": False, "softcap": None}]
         attention(
             q.float(), k.float(), v.float(), spec, mode="chunked", attention_mask=mask, params=float_params,
             gates={name: x.float() for name, x in gates.items()},

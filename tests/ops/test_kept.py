@@ -33,8 +33,14 @@ def _kernel(q_t, k_s, spec, params, h, kv, scale):
     return scale * _phi(q_t, spec, hq) @ _phi(k_s, spec, hk)
 
 
-def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None):
-    """Outputs `[B, H, L, D]` of a hybrid with kept positions, simulated one position at a time."""
+def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None, softcap=None):
+    """Outputs `[B, H, L, D]` of a hybrid with kept positions, simulated one position at a time; with `softcap` c
+    every exact score x (the window softmax that ranks the keys included) is c tanh(x / c), the kernel uncapped."""
+
+    def exact_score(q_t, k_s):
+        x = scale * q_t @ k_s
+        return x if softcap is None else softcap * torch.tanh(x / softcap)
+
     batch, heads, length, head_dim = q.shape
     kv_heads = k.shape[1]
     groups, window = heads // kv_heads, spec.window
@@ -51,7 +57,7 @@ def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None)
                 near = [s for s in range(max(0, t - window + 1), t + 1) if candidate[s]]
                 if visible[t] and near:
                     for h in range(kv * groups, (kv + 1) * groups):
-                        weights = torch.softmax(torch.stack([scale * q[b, h, t] @ k[b, kv, s] for s in near]), 0)
+                        weights = torch.softmax(torch.stack([exact_score(q[b, h, t], k[b, kv, s]) for s in near]), 0)
                         for s, p in zip(near, weights.tolist(), strict=True):
                             saliency[s] = max(saliency[s], p)
                 left = [s for s in range(0, t - window + 1) if candidate[s]]
@@ -70,7 +76,7 @@ def simulated_kept_attention(q, k, v, spec, params, mask, scale, log_decay=None)
                         if not visible[s]:
                             continue
                         if t - s < window or sink[s] or s in kept_sets[t]:
-                            weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
+                            weight = torch.exp(exact_score(q[b, h, t], k[b, kv, s]))
                         else:
                             decay = 1.0
                             if log_decay is not None:

@@ -92,11 +92,16 @@ def test_soft_capped_scores_match_the_reference_and_bend_the_scores(padded, quer
     [
         (0.0, AttentionSpec(), r"softcap=0.0 is not allowed; expected None or a finite number > 0"),
         (float("inf"), AttentionSpec(), r"softcap=inf is not allowed"),
-        (50.0, AttentionSpec.from_preset("linear_elu"), r"softcap=50.0 caps exact softmax scores, .*kind='linear'"),
+        (
+            50.0,
+            AttentionSpec.from_preset("linear_elu"),
+            r"softcap=50.0 caps exact softmax scores, but the spec \(kind='linear', window=None\) has none .*"
+            r"expected kind='softmax', a window hybrid \(window=W: its window, sinks and kept keys take the cap\)",
+        ),
     ],
     ids=["zero", "infinite", "finite-state"],
 )
-def test_a_softcap_is_refused_outside_exact_softmax_or_out_of_range(softcap, spec, message):
+def test_a_softcap_is_refused_without_exact_softmax_scores_or_out_of_range(softcap, spec, message):
     q, k, v, _ = make_inputs(length=4, dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
         attention(q, k, v, spec, softcap=softcap)

@@ -34,10 +34,11 @@ def _phi(x, spec, weight):
     raise AssertionError(spec)
 
 
-def naive_window_attention(q, k, v, spec, params, mask, scale, log_decay=None):
+def naive_window_attention(q, k, v, spec, params, mask, scale, log_decay=None, softcap=None):
     """One query at a time, no shift, no state, no chunks: the definition. Without a window every key
     goes through the kernel; with `log_decay` `[B, Hkv, L]` key s weighs exp(sum_{r=s+W+1..t} g_r)
-    times the kernel (it enters the state at step s + W and decays from there; padding has g = 0)."""
+    times the kernel (it enters the state at step s + W and decays from there; padding has g = 0). With
+    `softcap` c an exact key weighs exp(c tanh(x / c)) for its score x; the kernel is not capped."""
     batch, heads, length, head_dim = q.shape
     groups = heads // k.shape[1]
     window = spec.window or 0
@@ -56,7 +57,8 @@ def naive_window_attention(q, k, v, spec, params, mask, scale, log_decay=None):
                         continue
                     is_sink = spec.sinks is not None and int(mask[b, :s].sum()) < spec.sinks
                     if t - s < window or is_sink:
-                        weight = torch.exp(scale * q[b, h, t] @ k[b, kv, s])
+                        x = scale * q[b, h, t] @ k[b, kv, s]
+                        weight = torch.exp(x if softcap is None else softcap * torch.tanh(x / softcap))
                     else:
                         if spec.uses_taylor:
                             x = scale * q[b, h, t] @ k[b, kv, s]

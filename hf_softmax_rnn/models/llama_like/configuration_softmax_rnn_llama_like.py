@@ -23,7 +23,8 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
     lives in its spec (sliding-window softmax is `AttentionSpec(window=W)`), so the family's own
     `sliding_window` must be None and `layer_types` given to a family's config, Qwen2's or Qwen3's, may only
     name full attention; and a cap of the scores (Gemma 2's `attn_logit_softcapping`, where the family's
-    attention applies it: `softcapped_scores`) only where every layer is exact softmax."""
+    attention applies it: `softcapped_scores`) only where every layer has exact softmax scores to cap (exact
+    softmax, or a window hybrid: `AttentionSpec.softcap_applies`)."""
 
     #: Whether the layers cap their scores at `attn_logit_softcapping` (`LlamaLikeFamily.softcapped_scores`).
     softcapped_scores = False
@@ -86,16 +87,18 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
             )
 
     def validate_attn_logit_softcapping(self) -> None:
-        """Part of `@strict` validation: a cap of the scores (Gemma 2's) only where every layer is exact softmax."""
+        """Part of `@strict` validation: a cap of the scores (Gemma 2's) only where every layer has exact softmax
+        scores to cap (`AttentionSpec.softcap_applies`)."""
         cap = getattr(self, "attn_logit_softcapping", None)
         if cap is None or not self.softcapped_scores:
             return
-        finite = [i for i in range(self.num_hidden_layers) if self.attention_spec(i).kind != "softmax"]
-        if finite:
+        uncapped = [i for i in range(self.num_hidden_layers) if not self.attention_spec(i).softcap_applies]
+        if uncapped:
             raise ValueError(
                 f"{self.model_type} has attn_logit_softcapping={cap}, which caps exact softmax scores, but layers "
-                f"{finite} are not exact softmax (the cap does not factor into a feature map or a finite state); "
-                "expected those layers kind='softmax' or attn_logit_softcapping=None"
+                f"{uncapped} have none (a finite state alone: the cap does not factor into a feature map); expected "
+                "those layers kind='softmax', a window hybrid (window=W: its window, sinks and kept keys take the "
+                "cap, its finite state stays uncapped) or attn_logit_softcapping=None"
             )
 
 
