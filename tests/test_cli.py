@@ -92,11 +92,17 @@ def option_classes() -> dict[str, tuple[type, ...]]:
 
 
 def test_every_flag_has_the_help_of_its_dataclass_field():
+    from hf_softmax_rnn.training.config import GROUPS
+
+    # besides its flags: the groups that hold the others, and what the config chose
+    not_flags = {"finetune": {*GROUPS, "chosen", "state_left_out"}}
     classes = option_classes()
     assert set(classes) == set(cli.SUBCOMMANDS)
     for name, owners in classes.items():
         parser, _ = cli.subcommand_parser(name)
-        fields = {field.name: field for owner in owners for field in dataclasses.fields(owner)}
+        fields = {field.name: field for owner in owners for field in option_fields(owner)}
+        others = {field.name for owner in owners for field in dataclasses.fields(owner) if "help" not in field.metadata}
+        assert others == not_flags.get(name, set()), name
         actions = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
         assert sorted(action.dest for action in actions) == sorted(fields), name
         for action in actions:

@@ -1,6 +1,5 @@
 """A run killed with SIGKILL and resumed ends exactly where an uninterrupted run ends."""
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -41,7 +40,7 @@ def save_and_maybe_die(*args, **kwargs):
     return path
 
 trainer.save_checkpoint = save_and_maybe_die
-finetune(FinetuneConfig(**settings))
+finetune(FinetuneConfig.from_flags(**settings))
 """
 
 # stage 1: 3 steps, checkpoints at global steps 2, 3; stage 2 (LoRA): 4 steps, checkpoints at 5, 7;
@@ -84,7 +83,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_models, uninterrupted, tmp_
     assert checkpoint_dirs(tmp_path / "run")[-1].name == f"checkpoint-{resumed_step:07d}"
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
-    result = finetune(dataclasses.replace(config, resume=True))
+    result = finetune(config.with_flags(resume=True))
 
     reference, resumed = weights(uninterrupted), weights(tmp_path / "run")
     assert reference.keys() == resumed.keys()
@@ -99,22 +98,22 @@ def test_resume_refuses_changed_settings(tiny_models, tmp_path):
     config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
     finetune(config)
     with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
-        finetune(dataclasses.replace(config, resume=True, lr=0.5))
+        finetune(config.with_flags(resume=True, lr=0.5))
 
 
 @pytest.mark.parametrize("rnn_lr", [None, 0.5], ids=["as-lr", "its-own"])
 def test_a_checkpoint_recorded_without_rnn_lr_trained_rnn_params_at_lr(tmp_path, rnn_lr):
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), lr=0.01, rnn_lr=rnn_lr)
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), lr=0.01, rnn_lr=rnn_lr)
     recorded = {name: value for name, value in config.to_dict().items() if name != "rnn_lr"}
     expected = [] if rnn_lr is None else ["rnn_lr: checkpoint 0.01, now 0.5"]
     assert config.resume_conflicts(recorded) == expected
 
 
 def test_a_checkpoint_recorded_without_state_settings_trained_no_state_stage(tmp_path):
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax")
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), attention="gated_softmax")
     recorded = {name: value for name, value in config.to_dict().items() if not name.startswith("state_")}
     assert config.resume_conflicts(_as_read_back(recorded)) == []
-    with_state = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax", state_steps=2)
+    with_state = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), attention="gated_softmax", state_steps=2)
     assert with_state.resume_conflicts(_as_read_back(recorded)) == ["state_steps: checkpoint 0, now 2"]
 
 
@@ -136,14 +135,14 @@ def test_resume_accepts_the_model_folder_spelt_another_way(tiny_models, tmp_path
     first = finetune(config)
     trained = (tmp_path / "run" / "metrics.jsonl").read_text()
     monkeypatch.chdir(model.parent)
-    resumed = finetune(dataclasses.replace(config, model=f"./{model.name}/", resume=True))
+    resumed = finetune(config.with_flags(model=f"./{model.name}/", resume=True))
     assert resumed.evaluations == first.evaluations  # the finished run's results, not a second run's
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == trained  # no step trained again
 
 
 def _saved_and_now(tmp_path, saved: str, now: str, **settings) -> list[str]:
     """The conflicts of a config naming `now` with a checkpoint that named `saved` (paths under `tmp_path`)."""
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), model=now, **settings)
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), model=now, **settings)
     return config.resume_conflicts({**config.to_dict(), "model": saved, **{k: saved for k in settings}})
 
 
@@ -181,7 +180,7 @@ def test_another_model_still_conflicts(tmp_path, monkeypatch, saved, now):
 def test_a_local_dataset_file_compares_resolved(tmp_path, monkeypatch):
     (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
     monkeypatch.chdir(tmp_path)
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), dataset="pydoc+./data.jsonl")
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), dataset="pydoc+./data.jsonl")
     saved = config.to_dict()
     assert config.resume_conflicts({**saved, "dataset": f"pydoc+{tmp_path}/data.jsonl"}) == []
     assert config.resume_conflicts({**saved, "dataset": f"{tmp_path}/data.jsonl"})  # other sources
