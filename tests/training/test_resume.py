@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_softmax_rnn.training import FinetuneConfig, finetune
-from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
+from hf_softmax_rnn.training.checkpointing import checkpoint_dirs, write_manifest
 from hf_softmax_rnn.training.metrics import read_metrics
 from tests.training.helpers import tiny_config, weights
 
@@ -99,6 +99,93 @@ def test_resume_refuses_changed_settings(tiny_models, tmp_path):
     finetune(config)
     with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
         finetune(config.with_flags(resume=True, lr=0.5))
+
+
+#: How a checkpoint of an earlier release recorded the settings of `test_resume_refuses_changed_settings`'s run (one
+#: entry per flag; "MODEL" and "OUT" stand for its folders): such a checkpoint resumes.
+FLAT_RECORD = {
+    "output_dir": "OUT",
+    "model": "MODEL",
+    "teacher": None,
+    "attention": "softmax_divS_norm",
+    "layers": None,
+    "retrieval_layers": 0,
+    "retrieval_kept": 2048,
+    "extend_context": None,
+    "attention_mode": "chunked",
+    "dataset": "pydoc",
+    "dataset_config": None,
+    "text_column": "text",
+    "streaming": False,
+    "test_fraction": 0.1,
+    "block_size": 16,
+    "eval_block_size": None,
+    "batch_size": 2,
+    "grad_accum": 1,
+    "eval_batch_size": 4,
+    "max_eval_blocks": 6,
+    "shuffle_buffer": 10000,
+    "generated_texts": 256,
+    "generated_tokens": 512,
+    "recall_facts": 0,
+    "transfer_steps": 2,
+    "transfer_lr": 0.01,
+    "transfer_lm_weight": 0.0,
+    "transfer_modules": None,
+    "transfer_teacher_forcing": True,
+    "finetune_steps": 0,
+    "finetune_method": "lora",
+    "finetune_loss": "lm",
+    "lr": 0.01,
+    "rnn_lr": 0.01,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "lora_dropout": 0.0,
+    "lora_targets": None,
+    "state_steps": 0,
+    "state_block_size": 4096,
+    "state_lr": 0.01,
+    "state_gradient_checkpointing": True,
+    "lr_scheduler": "cosine",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "mixed_precision": "no",
+    "seed": 0,
+    "cpu": False,
+    "gradient_checkpointing": False,
+    "eval_every": 2,
+    "save_every": 2,
+    "save_total_limit": 2,
+    "resume": False,
+    "allow_inexact_resume": False,
+    "overwrite": False,
+    "progress": False,
+    "long_eval": False,
+    "long_eval_texts": "shakespeare",
+    "long_eval_positions": [0, 64, 256, 1024, 2048, 4096],
+    "long_eval_sequences": 2,
+    "long_eval_passkey": [1024, 2048],
+    "long_eval_trials": 4,
+    "long_eval_fidelity": True,
+    "push_to_hub": None,
+    "hub_private": False,
+}
+
+
+def test_a_checkpoint_recorded_in_the_flat_layout_of_an_older_release_resumes(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
+    first = finetune(config)
+    record = FLAT_RECORD | {"model": tiny_models["llama"], "output_dir": str(tmp_path / "run")}
+    assert config.to_dict() == record  # the layout is the one recorded before
+    for checkpoint in checkpoint_dirs(tmp_path / "run"):
+        path = checkpoint / "trainer_state.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"config": record}))
+        write_manifest(checkpoint)
+    with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
+        finetune(config.with_flags(resume=True, lr=0.5))
+    resumed = finetune(config.with_flags(resume=True))
+    assert resumed.evaluations == first.evaluations
 
 
 @pytest.mark.parametrize("rnn_lr", [None, 0.5], ids=["as-lr", "its-own"])
