@@ -4,8 +4,8 @@
   and `AttentionSpec.from_preset`, so it lists every preset with its formula, modes and state size.
 - `<!-- generated: spec fields -->`: every field of `AttentionSpec`, from `dataclasses.fields`: its type
   and default, and its meaning from the `Attributes:` section of the class docstring.
-- `<!-- generated: finetune flags -->`: every flag of `hf-softmax-rnn finetune`, from
-  `dataclasses.fields(FinetuneConfig)`: its type, default and help, by help section.
+- `<!-- generated: finetune flags -->`: every flag of `hf-softmax-rnn finetune`, from the fields of
+  `FinetuneConfig` and its groups (`flags.flag_fields`): its type, default and help, by help section.
 
 Both are built at build time, so they cannot drift from the code.
 """
@@ -27,7 +27,7 @@ from griffe import Docstring  # noqa: E402
 
 from hf_softmax_rnn import presets  # noqa: E402
 from hf_softmax_rnn.attention_spec import MODES, AttentionSpec  # noqa: E402
-from hf_softmax_rnn.flags import SHOWN_DEFAULT, option_fields  # noqa: E402
+from hf_softmax_rnn.flags import SHOWN_DEFAULT, flag_fields  # noqa: E402
 from hf_softmax_rnn.training import FinetuneConfig  # noqa: E402
 
 PRESET_TABLE_MARKER = "<!-- generated: presets -->"
@@ -178,15 +178,12 @@ def flag_default(field: dataclasses.Field) -> str:
 def flag_list(cls: type) -> str:
     """Every flag of `cls` (fields declared with `option`) as a definition list per help section:
     the flag, its field's type and default, then its help."""
-    hints = typing.get_type_hints(cls)
     sections: dict[str, list[str]] = {}
-    for field in option_fields(cls):
+    for field, annotation in flag_fields(cls):
         flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
         if field.metadata.get("positional"):
             flag = field.name
-        entry = (
-            f"`{flag}` · `{type_name(hints[field.name])}` · default {flag_default(field)}\n:   {field.metadata['help']}"
-        )
+        entry = f"`{flag}` · `{type_name(annotation)}` · default {flag_default(field)}\n:   {field.metadata['help']}"
         sections.setdefault(field.metadata.get("group", "required"), []).append(entry)
     return "\n\n".join(
         f"## {title[0].upper()}{title[1:]}\n\n" + "\n\n".join(entries) for title, entries in sections.items()

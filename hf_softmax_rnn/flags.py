@@ -1,8 +1,10 @@
 """Command-line flags built from dataclass fields, so that each flag's help lives in one place.
 
 A field declared with `option(default, "help", ...)` becomes `--field-name` (or the name given as
-`flag`); its type, `nargs` and boolean action follow the annotation, its default the field's.
-`DefaultsFormatter` shows each default after the help when `--help` prints it.
+`flag`); its type, `nargs` and boolean action follow the annotation, its default the field's. A field
+declared with `flag_group(cls)` holds a dataclass of such fields, whose flags join those of the dataclass
+holding it (flat on the command line, nested in Python). `DefaultsFormatter` shows each default after
+the help when `--help` prints it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 #: The default of a field that `--help` shows in place of its value (e.g. "the attention's recipe").
 SHOWN_DEFAULT = "shown_default"
+#: Metadata key of a `flag_group` field.
+_GROUP_OF_FLAGS = "group_of_flags"
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **argparse_options: Any) -> Any:
@@ -28,9 +32,27 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **argparse_option
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def flag_group(cls: type) -> Any:
+    """A dataclass field holding a `cls` (its defaults unless given), whose `option` fields are flags of the
+    dataclass that holds the field."""
+    return dataclasses.field(default_factory=cls, metadata={_GROUP_OF_FLAGS: True})
+
+
+def flag_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """(field, annotation) of every flag of `cls` in order, those of each `flag_group` in its place."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for field in dataclasses.fields(cls):
+        if field.metadata.get(_GROUP_OF_FLAGS):
+            found += flag_fields(hints[field.name])
+        elif "help" in field.metadata:
+            found.append((field, hints[field.name]))
+    return found
+
+
 def option_fields(cls: type) -> list[dataclasses.Field]:
-    """The fields of `cls` that are flags (declared with `option`)."""
-    return [field for field in dataclasses.fields(cls) if "help" in field.metadata]
+    """The fields of `cls` that are flags (declared with `option`, those of its `flag_group`s included)."""
+    return [field for field, _ in flag_fields(cls)]
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -57,16 +79,15 @@ def add_dataclass_arguments(
 ) -> list[argparse.Action]:
     """Add a flag for every `option` field of `cls` (sections by `group`); `defaults` replaces the
     parser default of the named fields (the field's own default is then only shown in `--help`)."""
-    hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
     actions = []
-    for field in option_fields(cls):
+    for field, annotation in flag_fields(cls):
         options = dict(field.metadata)
         flag = options.pop("flag", "--" + field.name.replace("_", "-"))
         title = options.pop("group", None)
         positional = options.pop("positional", False)
         shown = options.pop(SHOWN_DEFAULT, None)
-        kind, is_sequence = _argparse_type(hints[field.name])
+        kind, is_sequence = _argparse_type(annotation)
         default = _default(field)
         if kind is bool:
             options["action"] = "store_false" if default else "store_true"

@@ -43,8 +43,8 @@ from hf_softmax_rnn import AttentionSpec
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.ops import attention, backends
 from hf_softmax_rnn.ops.kernels import AttentionParams
-from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
 from hf_softmax_rnn.training.metrics import peak_resident_bytes
+from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION
 from hf_softmax_rnn.utils import resolve_device
 
 SHAPE = dict(batch=1, heads=9, kv_heads=3, head_dim=64)

@@ -39,7 +39,7 @@ from hf_softmax_rnn.attention_spec import AttentionSpec
 from hf_softmax_rnn.convert import convert
 from hf_softmax_rnn.default_model import default_model, load_causal_lm
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, KEPT_RETRIEVAL_LAYERS, RETRIEVAL_KEPT
+from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION, KEPT_RETRIEVAL_LAYERS, RETRIEVAL_KEPT
 from hf_softmax_rnn.utils import check_at_least, hardware_name, set_threads
 
 logger = logging.getLogger("bench_prefill")

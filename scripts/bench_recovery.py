@@ -46,7 +46,7 @@ from hf_softmax_rnn.long_context.report import (
     plot_long_context,
 )
 from hf_softmax_rnn.training import FinetuneConfig
-from hf_softmax_rnn.training.config import recipe_defaults
+from hf_softmax_rnn.training.recipes import recipe_defaults
 from hf_softmax_rnn.training.trainer import Finetuner
 
 logger = logging.getLogger("bench_recovery")
@@ -155,7 +155,7 @@ def _settings(args: argparse.Namespace, preset: str, output_dir: str, row_settin
         progress=True,
         **overrides,
     )
-    return FinetuneConfig(**{**settings, **(row_settings or {})})
+    return FinetuneConfig.from_flags(**{**settings, **(row_settings or {})})
 
 
 def row_recipe(name: str) -> tuple[str | None, dict]:

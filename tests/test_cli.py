@@ -12,6 +12,7 @@ import pytest
 import hf_softmax_rnn
 from hf_softmax_rnn import cli
 from hf_softmax_rnn.errors import CommandError, UserInputError
+from hf_softmax_rnn.flags import add_dataclass_arguments, flag_group, option, option_fields
 
 FAKE_MODULE = "hf_softmax_rnn_fake_command"
 
@@ -91,11 +92,17 @@ def option_classes() -> dict[str, tuple[type, ...]]:
 
 
 def test_every_flag_has_the_help_of_its_dataclass_field():
+    from hf_softmax_rnn.training.config import GROUPS
+
+    # besides its flags: the groups that hold the others, and what the config chose
+    not_flags = {"finetune": {*GROUPS, "chosen", "state_left_out"}}
     classes = option_classes()
     assert set(classes) == set(cli.SUBCOMMANDS)
     for name, owners in classes.items():
         parser, _ = cli.subcommand_parser(name)
-        fields = {field.name: field for owner in owners for field in dataclasses.fields(owner)}
+        fields = {field.name: field for owner in owners for field in option_fields(owner)}
+        others = {field.name for owner in owners for field in dataclasses.fields(owner) if "help" not in field.metadata}
+        assert others == not_flags.get(name, set()), name
         actions = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
         assert sorted(action.dest for action in actions) == sorted(fields), name
         for action in actions:
@@ -103,6 +110,28 @@ def test_every_flag_has_the_help_of_its_dataclass_field():
             assert action.help == fields[action.dest].metadata["help"], f"{name} {action.option_strings}"
         text = parser.format_help()
         assert all(" ".join(action.help.split()[:3]) in " ".join(text.split()) for action in actions), name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    rate: float = option(0.5, "a rate", group="inner")
+    steps: int | None = option(None, "steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    name: str = option("x", "a name")
+    inner: _Inner = flag_group(_Inner)
+
+
+def test_the_fields_of_a_flag_group_are_flat_flags_of_the_dataclass_holding_it():
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, _Outer)
+    args = parser.parse_args(["--rate", "0.25", "--steps", "3"])
+    assert vars(args) == {"name": "x", "rate": 0.25, "steps": 3}
+    assert [field.name for field in option_fields(_Outer)] == ["name", "rate", "steps"]
+    assert [group.title for group in parser._action_groups][-1] == "inner"
+    assert _Outer().inner == _Inner()
 
 
 def test_flags_keep_their_names_and_defaults():

@@ -40,7 +40,7 @@ from hf_softmax_rnn.evaluation import stream_nll, token_stream
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.layers.cache import cache_nbytes
 from hf_softmax_rnn.presets import PRESETS
-from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
+from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION
 from hf_softmax_rnn.utils import check_distinct
 
 logger = logging.getLogger(__name__)

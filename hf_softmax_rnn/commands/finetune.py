@@ -22,9 +22,10 @@ import json
 import logging
 
 from hf_softmax_rnn.flags import add_dataclass_arguments
-from hf_softmax_rnn.training.config import DEFAULT_ATTENTION, FinetuneConfig
+from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.long_context_run import long_context_report
 from hf_softmax_rnn.training.metrics import BEFORE_CONVERSION, memory_words, minutes_and_seconds
+from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION
 
 logger = logging.getLogger(__name__)
 

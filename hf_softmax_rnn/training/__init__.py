@@ -1,7 +1,7 @@
 """Fine-tuning of converted models: attention transfer, then LoRA or full fine-tuning, with Accelerate.
 
 The trainer (and Accelerate, PEFT) is imported on first use, so that the settings and the optimizer
-rule (`training.config`, `training.optim`) import light.
+rule (`training.config` and its groups of settings, `training.optim`) import light.
 """
 
 from hf_softmax_rnn.training.config import FinetuneConfig

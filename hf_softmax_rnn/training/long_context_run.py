@@ -15,6 +15,7 @@ from pathlib import Path
 from hf_softmax_rnn.data.eval_texts import load_eval_texts
 from hf_softmax_rnn.layers import student_outputs
 from hf_softmax_rnn.long_context.report import comparison_tables, plot_long_context
+from hf_softmax_rnn.training.output_settings import LongEvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,9 @@ ORIGINAL, TRAINED = "unconverted", "trained"
 
 
 class LongContextRun:
-    """The settings and texts of `config`'s --long-eval, checked against `model` (the unconverted one)."""
+    """The texts and settings of --long-eval (`LongEvalSettings`), checked against `model` (the unconverted one)."""
 
-    def __init__(self, config, model, tokenizer) -> None:
+    def __init__(self, config: LongEvalSettings, model, tokenizer) -> None:
         self.config = config
         self.settings = config.long_context_settings()
         self.texts = load_eval_texts(config.long_eval_texts)

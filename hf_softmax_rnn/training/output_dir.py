@@ -113,7 +113,7 @@ def _in_use(directory: Path, holder: str) -> UserInputError:
 
 def _check_contents(directory: Path, config: FinetuneConfig) -> None:
     contents = sorted(p.name for p in directory.iterdir() if p.name not in (MARKER_FILE, LOCK_FILE))
-    if not contents or config.overwrite:
+    if not contents or config.output.overwrite:
         return
     marker = read_marker(directory)
     if marker is None:
@@ -122,7 +122,7 @@ def _check_contents(directory: Path, config: FinetuneConfig) -> None:
             f"--output-dir {str(directory)!r} holds files that are not from a hf-softmax-rnn run ({shown}); choose a "
             "new or empty folder, or pass --overwrite to write into it anyway"
         )
-    if config.resume:
+    if config.output.resume:
         return
     checkpoints = checkpoint_dirs(directory)
     if checkpoints:
@@ -143,10 +143,10 @@ def check_output_dir(config: FinetuneConfig) -> None:
     directory = Path(config.output_dir)
     if directory.exists() and not directory.is_dir():
         raise UserInputError(f"--output-dir {str(directory)!r} is a file; expected a folder")
-    if not config.overwrite:
-        _check_model_overlap(directory, config.model)
-        if config.teacher is not None:
-            _check_model_overlap(directory, config.teacher, "--teacher")
+    if not config.output.overwrite:
+        _check_model_overlap(directory, config.model.model)
+        if config.model.teacher is not None:
+            _check_model_overlap(directory, config.model.teacher, "--teacher")
     if not directory.is_dir():
         return
     holder = _holder(directory)
@@ -159,7 +159,7 @@ def check_output_dir(config: FinetuneConfig) -> None:
 def _check_run_paths(directory: Path, config: FinetuneConfig) -> None:
     """Refuse a path the run writes that is of the other kind: a file where it makes a folder (`checkpoints`),
     a folder where it writes a file; what `--overwrite` removes from a run folder first (`PREVIOUS_RUN`) is none."""
-    removed = PREVIOUS_RUN if config.overwrite and read_marker(directory) is not None else ()
+    removed = PREVIOUS_RUN if config.output.overwrite and read_marker(directory) is not None else ()
     for name in (*RUN_FOLDERS, *RUN_FILES):
         path, folder = directory / name, name in RUN_FOLDERS
         if name in removed or not (path.exists() or path.is_symlink()) or path.is_dir() == folder:
@@ -229,7 +229,7 @@ def _claim(config: FinetuneConfig) -> IO:
     directory.mkdir(parents=True, exist_ok=True)
     handle = _lock(directory)
     if read_marker(directory) is not None:  # only a run folder holds what a previous run left
-        if config.overwrite:
+        if config.output.overwrite:
             _clear_previous_run(directory)
         remove_incomplete(directory)
     _write_marker(directory, finished=False)

@@ -34,9 +34,11 @@ from hf_softmax_rnn.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_HUB_
 from hf_softmax_rnn.errors import CommandError
 from hf_softmax_rnn.hub import export_remote_code, is_exported_code
 from hf_softmax_rnn.model_card import softmax_rnn_model_card
-from hf_softmax_rnn.training.config import FinetuneConfig, is_attention_file
+from hf_softmax_rnn.training.attention_source import is_attention_file
+from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.disk import reporting_full_disk
 from hf_softmax_rnn.training.metrics import METRICS_FILE, PLOT_FILE, memory_words, plot_loss_curves, read_metrics
+from hf_softmax_rnn.training.output_settings import HubSettings
 from hf_softmax_rnn.training.transfer_report import LAYER_MSE_FILE
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,10 @@ MODEL_FILES = (
 RUN_FILES = ("README.md", METRICS_FILE, RESULTS_FILE, LAYER_MSE_FILE, "*.png")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 OFFLINE_CORPUS_TEXT = "Python's own documentation (`pydoc_data.topics`, the package's offline corpus)"
-#: Offline source name -> how the model card names it (formatted with the run's `config`).
+#: Offline source name -> how the model card names it (formatted with the run's `data` settings).
 _OFFLINE_SOURCES = {
     "pydoc": OFFLINE_CORPUS_TEXT,
-    GENERATED_CORPUS: "{config.generated_texts} texts of up to {config.generated_tokens} tokens written by the "
+    GENERATED_CORPUS: "{data.generated_texts} texts of up to {data.generated_tokens} tokens written by the "
     "unconverted model itself (stories, letters, articles, essays and dialogues on varied subjects)",
 }
 
@@ -143,20 +145,21 @@ def portable_config(run: RunSummary) -> dict:
             config[name] = portable_path(config[name], run.output_dir)
     if is_attention_file(config["attention"]):
         config["attention"] = portable_path(config["attention"], run.output_dir)
-    sources = run.config.dataset_sources
+    sources = run.config.data.dataset_sources
     config["dataset"] = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
     return config
 
 
 def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
     config = run.config
-    original = config.teacher or config.model  # the unconverted model
+    original = config.model.original
     base_on_hub = original == DEFAULT_MODEL_ALIAS or not _is_local_path(original)
-    sources = config.dataset_sources
+    sources = config.data.dataset_sources
     dataset_on_hub = len(sources) == 1 and sources[0] not in _OFFLINE_SOURCES and not _is_local_path(sources[0])
     dataset = SOURCE_SEPARATOR.join(portable_path(name, run.output_dir) for name in sources)
     dataset_text = " and ".join(
-        _OFFLINE_SOURCES.get(name, f"`{portable_path(name, run.output_dir)}`").format(config=config) for name in sources
+        _OFFLINE_SOURCES.get(name, f"`{portable_path(name, run.output_dir)}`").format(data=config.data)
+        for name in sources
     )
     base_model = portable_path(original, run.output_dir)
     if original == DEFAULT_MODEL_ALIAS:
@@ -167,11 +170,11 @@ def _model_card(run: RunSummary, model: PreTrainedModel, has_adapter: bool):
         head_dim=model.config.attention_head_dim,
         base_model=base_model,
         base_model_on_hub=base_on_hub,
-        repo_id=config.push_to_hub or f"./{run.output_dir.resolve().name}",
+        repo_id=config.hub.push_to_hub or f"./{run.output_dir.resolve().name}",
         evaluations=run.evaluations,
         evaluation_text=(
             f"Perplexity is exp of the mean next-token negative log-likelihood over the test split of the data, "
-            f"packed into {config.heldout_block_size}-token blocks that are each scored on their own ({tokens:,} "
+            f"packed into {config.data.heldout_block_size}-token blocks that are each scored on their own ({tokens:,} "
             "predicted tokens)."
         ),
         stages=run.stages,
@@ -269,17 +272,17 @@ def uploaded_files(output_dir: Path) -> list[str]:
     return sorted(set(files))
 
 
-def publish(config: FinetuneConfig, output_dir: Path) -> None:
-    """Upload the allow-listed files of `output_dir` to `config.push_to_hub`, if set (call on the main process).
+def publish(hub: HubSettings, output_dir: Path) -> None:
+    """Upload the allow-listed files of `output_dir` to `hub.push_to_hub`, if set (call on the main process).
 
     Raises PushToHubError naming the cause (offline, no token, network, permissions)."""
-    repo = config.push_to_hub
+    repo = hub.push_to_hub
     if not repo:
         return
     files = uploaded_files(output_dir)
     try:
         api = HfApi()
-        api.create_repo(repo, private=config.hub_private, exist_ok=True)
+        api.create_repo(repo, private=hub.hub_private, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=output_dir, allow_patterns=files)
     except Exception as error:  # any failure of the upload: the outputs are saved already
         raise PushToHubError(

@@ -36,6 +36,7 @@ from hf_softmax_rnn.layers.attention import softmax_rnn_attention_modules
 from hf_softmax_rnn.models.llama_like.families import LLAMA_LIKE_FAMILIES
 from hf_softmax_rnn.training.config import FinetuneConfig
 from hf_softmax_rnn.training.distill import distillation_loss
+from hf_softmax_rnn.training.optim import weight_decay_groups
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,11 @@ class Stage:
     #: recompute each decoder layer in the backward pass of this stage, whatever the run's setting for the others
     activation_checkpointing: bool = False
 
+    def parameter_groups(self, trainable: nn.Module, weight_decay: float) -> list[dict]:
+        """The optimizer's parameter groups of this stage over `trainable`: weight decay, and the converted
+        layers' own learning rate."""
+        return weight_decay_groups(trainable, weight_decay, own_lr=self.rnn_learning_rate, own_module=RNN_PARAMS)
+
     def learning_rates(self) -> str:
         """The stage's learning rate in words, and that of rnn_params where it differs."""
         if self.rnn_learning_rate is None:
@@ -204,35 +210,37 @@ def _distill_loss(teacher: nn.Module) -> Callable[[nn.Module, nn.Module, torch.T
 
 
 def transfer_stage(config: FinetuneConfig, modules: list[str]) -> Stage:
+    settings = config.transfer
+
     def setup(model: nn.Module) -> nn.Module:
         converted = [m for m in softmax_rnn_attention_modules(model) if m.is_converted]
         _freeze_all_but(model, [getattr(m, name) for m in converted for name in modules])
-        set_attention_transfer(model, True, trained=modules, teacher_forcing=config.transfer_teacher_forcing)
+        set_attention_transfer(model, True, trained=modules, teacher_forcing=settings.transfer_teacher_forcing)
         return model
 
     def loss(model: nn.Module, unwrapped: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        weight = config.transfer_lm_weight
+        weight = settings.transfer_lm_weight
         output = model(input_ids=input_ids, labels=input_ids if weight else None, use_cache=False)
         mse = torch.stack(transfer_losses(unwrapped)).mean()
         if not weight:
             return {"loss": mse, "transfer_mse": mse}
         return {"loss": mse + weight * output.loss, "transfer_mse": mse, "lm_loss": output.loss}
 
-    forcing = ", teacher-forced" if config.transfer_teacher_forcing else ""
+    forcing = ", teacher-forced" if settings.transfer_teacher_forcing else ""
     objective = f"attention-transfer MSE{forcing}" + (
-        f" + {config.transfer_lm_weight:g} x LM loss" if config.transfer_lm_weight else ""
+        f" + {settings.transfer_lm_weight:g} x LM loss" if settings.transfer_lm_weight else ""
     )
     trains = f"{', '.join(modules)} of the converted layers ({objective})"
     return Stage(
         "transfer",
-        config.transfer_steps,
-        config.transfer_lr,
-        config.block_size,
+        settings.transfer_steps,
+        settings.transfer_lr,
+        config.data.block_size,
         trains,
         setup,
         loss,
         teardown=lambda model: set_attention_transfer(model, False),
-        may_leave_parameters_unused=not config.transfer_lm_weight and not set(modules) <= FEED_ATTENTION_OUTPUT,
+        may_leave_parameters_unused=not settings.transfer_lm_weight and not set(modules) <= FEED_ATTENTION_OUTPUT,
     )
 
 
@@ -240,23 +248,24 @@ def finetune_stage(
     config: FinetuneConfig, targets: list[str], *, with_rnn_params: bool, teacher: nn.Module | None = None
 ) -> Stage:
     """The stage-2 `Stage`; `teacher` (the unconverted model, frozen) is needed for `finetune_loss="distill"`."""
-    if config.finetune_loss == "distill" and teacher is None:
+    settings = config.finetune
+    if settings.finetune_loss == "distill" and teacher is None:
         raise ValueError("finetune_loss='distill' needs the unconverted model as `teacher`")
-    only_rnn_params = config.finetune_method == "rnn"
+    only_rnn_params = settings.finetune_method == "rnn"
     if only_rnn_params and not with_rnn_params:
         raise ValueError(
             "--finetune-method rnn trains the converted layers' own parameters (rnn_params), and this attention has "
             "none (no feature map, decay, gate or normaliser weights to learn); use --finetune-method lora or full"
         )
-    rnn_lr = config.rnn_lr if with_rnn_params and config.rnn_lr != config.lr and not only_rnn_params else None
+    rnn_lr = settings.rnn_lr if with_rnn_params and settings.rnn_lr != settings.lr and not only_rnn_params else None
     at_rnn_lr = "" if rnn_lr is None else f" at lr {rnn_lr:g}"
 
     def setup_lora(model: nn.Module) -> PeftModel:
         model.requires_grad_(False)
         lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
+            r=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            lora_dropout=settings.lora_dropout,
             target_modules=targets,
             modules_to_save=[RNN_PARAMS] if with_rnn_params else None,
             fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
@@ -273,50 +282,52 @@ def finetune_stage(
 
     def lora_words() -> str:  # LoRA settings are None in a full fine-tuning run
         in_full = f", rnn_params in full{at_rnn_lr}" if with_rnn_params else ""
-        return f"LoRA r={config.lora_rank}, alpha={config.lora_alpha:g} on {', '.join(targets)}{in_full}"
+        return f"LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on {', '.join(targets)}{in_full}"
 
     setups = {"lora": setup_lora, "full": setup_full, "rnn": _train_rnn_params_alone}
     losses = {"lm": ("LM loss", _lm_loss), "distill": ("KL to the unconverted model's logits", None)}
-    words, loss = losses[config.finetune_loss]
+    words, loss = losses[settings.finetune_loss]
     full_words = f"all parameters{'' if rnn_lr is None else f', rnn_params{at_rnn_lr}'}"
     method_words = {"lora": lora_words, "full": lambda: full_words, "rnn": lambda: "rnn_params of the converted layers"}
-    trains = f"{method_words[config.finetune_method]()} ({words})"
+    trains = f"{method_words[settings.finetune_method]()} ({words})"
     return Stage(
         "finetune",
-        config.finetune_steps,
-        config.rnn_lr if only_rnn_params else config.lr,
-        config.block_size,
+        settings.finetune_steps,
+        settings.rnn_lr if only_rnn_params else settings.lr,
+        config.data.block_size,
         trains,
-        setups[config.finetune_method],
+        setups[settings.finetune_method],
         loss or _distill_loss(teacher),
         rnn_learning_rate=rnn_lr,
     )
 
 
 def state_stage(config: FinetuneConfig, *, with_rnn_params: bool, teacher: nn.Module | None) -> Stage:
-    """The stage-3 `Stage`: `rnn_params` alone on `config.state_block_size`-token blocks, distilled from `teacher`."""
+    """The stage-3 `Stage`: `rnn_params` alone on `config.state.state_block_size`-token blocks, distilled from
+    `teacher`."""
+    settings = config.state
     if teacher is None:
         raise ValueError("The state stage distils from the unconverted model: pass it as `teacher`")
     if not with_rnn_params:
         raise ValueError(
-            f"--state-steps {config.state_steps} trains the converted layers' own parameters (rnn_params), and this "
+            f"--state-steps {settings.state_steps} trains the converted layers' own parameters (rnn_params), and this "
             "attention has none (no feature map, decay, gate or normaliser weights to learn); set --state-steps 0"
         )
 
     trains = (
-        f"rnn_params of the converted layers on {config.state_block_size:,}-token blocks (KL to the unconverted "
+        f"rnn_params of the converted layers on {settings.state_block_size:,}-token blocks (KL to the unconverted "
         "model's logits)"
     )
     return Stage(
         "state",
-        config.state_steps,
-        config.state_lr,
-        config.state_block_size,
+        settings.state_steps,
+        settings.state_lr,
+        settings.state_block_size,
         trains,
         _train_rnn_params_alone,
         _distill_loss(teacher),
         block_size_flag="--state-block-size",
-        activation_checkpointing=config.state_gradient_checkpointing,
+        activation_checkpointing=settings.state_gradient_checkpointing,
     )
 
 
@@ -327,7 +338,7 @@ def build_stages(
     frozen) is needed for distillation (`config.needs_teacher`)."""
     with_rnn_params = has_rnn_params(model)
     builders = {
-        "transfer": lambda: transfer_stage(config, transfer_modules(model, config.transfer_modules)),
+        "transfer": lambda: transfer_stage(config, transfer_modules(model, config.transfer.transfer_modules)),
         "finetune": lambda: finetune_stage(
             config, lora_target_names or [], with_rnn_params=with_rnn_params, teacher=teacher
         ),

@@ -70,10 +70,10 @@ def test_summary_reports_the_ratio_to_the_unconverted_model(perplexities, ratio_
 
 
 def test_finetune_defaults_to_the_recipe_that_recovers(tmp_path):
-    config = FinetuneConfig(output_dir=str(tmp_path / "out"))
-    assert config.attention_spec == AttentionSpec.from_preset("hedgehog_window_256_sinks_4_kept_256_decay")
-    assert config.finetune_loss == "distill" and config.transfer_steps == 0  # the window recipe
-    assert (config.finetune_steps, config.block_size) == (20, 2048)  # window 256 with kept positions
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"))
+    assert config.model.attention_spec == AttentionSpec.from_preset("hedgehog_window_256_sinks_4_kept_256_decay")
+    assert config.finetune.finetune_loss == "distill" and config.transfer.transfer_steps == 0  # the window recipe
+    assert (config.finetune.finetune_steps, config.data.block_size) == (20, 2048)  # window 256 with kept positions
 
 
 @pytest.mark.parametrize(
@@ -87,9 +87,10 @@ def test_finetune_defaults_to_the_recipe_that_recovers(tmp_path):
     ids=["window-64", "window-256", "window-256-kept", "learned-map"],
 )
 def test_recipe_steps_follow_the_window_width_unless_given(tmp_path, attention, steps):
-    assert FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention).finetune_steps == steps
-    given = FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention, finetune_steps=7)
-    assert given.finetune_steps == 7
+    recipe = FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"), attention=attention)
+    assert recipe.finetune.finetune_steps == steps
+    given = FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"), attention=attention, finetune_steps=7)
+    assert given.finetune.finetune_steps == 7
 
 
 def test_library_finetune_stays_a_function_after_the_command_runs():

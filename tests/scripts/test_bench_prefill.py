@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_softmax_rnn import convert
-from hf_softmax_rnn.training.config import DEFAULT_ATTENTION
+from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION
 
 from ..models.helpers import LLAMA_SHAPE
 from .helpers import load_script

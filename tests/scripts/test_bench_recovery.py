@@ -156,13 +156,13 @@ def test_row_settings_override_the_command_line_but_not_the_heldout_blocks(tmp_p
     for name in script.ROWS:
         preset, row_settings = script.row_recipe(name)
         config = script._settings(args, preset or "hedgehog_window_64", str(tmp_path / name), row_settings)
-        assert config.heldout_block_size == 512
-        assert config.block_size == row_settings.get("block_size", 512)
-        assert config.finetune_steps == row_settings.get("finetune_steps", 40)
-        assert config.state_steps == row_settings.get("state_steps", 0)
+        assert config.data.heldout_block_size == 512
+        assert config.data.block_size == row_settings.get("block_size", 512)
+        assert config.finetune.finetune_steps == row_settings.get("finetune_steps", 40)
+        assert config.state.state_steps == row_settings.get("state_steps", 0)
     preset, row_settings = script.row_recipe("long_recipe")
     long_recipe = script._settings(args, preset, str(tmp_path / "x"), row_settings)
-    assert (long_recipe.block_size, long_recipe.finetune_steps) == (2048, 20)
-    assert (long_recipe.state_steps, long_recipe.state_block_size) == (10, 4096)
-    assert long_recipe.attention_spec.window == 256 and long_recipe.attention_spec.decay
-    assert long_recipe.attention_spec.kept == 256
+    assert (long_recipe.data.block_size, long_recipe.finetune.finetune_steps) == (2048, 20)
+    assert (long_recipe.state.state_steps, long_recipe.state.state_block_size) == (10, 4096)
+    spec = long_recipe.model.attention_spec
+    assert spec.window == 256 and spec.decay and spec.kept == 256

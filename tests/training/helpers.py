@@ -89,7 +89,7 @@ def tiny_config(model_dir: str, output_dir, **overrides) -> FinetuneConfig:
         seed=0,
     )
     settings.update(overrides)
-    return FinetuneConfig(**settings)
+    return FinetuneConfig.from_flags(**settings)
 
 
 def weights(path) -> dict[str, torch.Tensor]:

@@ -9,8 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_softmax_rnn import AttentionSpec, convert
 from hf_softmax_rnn.commands.evaluate import original_of
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
-from hf_softmax_rnn.training import trainer as trainer_module
+from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune, loading
 from hf_softmax_rnn.training.outputs import portable_path
 from tests.training.helpers import direct_perplexity, tiny_config, weights
 
@@ -40,8 +39,8 @@ def test_a_converted_model_trains_on_with_its_own_attention_distilled_from_its_t
     config = continued(
         converted_llama, tiny_models["llama"], tmp_path / "out", transfer_steps=0, finetune_method=method
     )
-    assert config.attention_spec == AttentionSpec(**HYBRID) and config.retrieval_layers == 0
-    assert config.block_size == 16 and config.finetune_loss == "distill"  # the recipe of the model's attention
+    assert config.model.attention_spec == AttentionSpec(**HYBRID) and config.model.retrieval_layers == 0
+    assert config.data.block_size == 16 and config.finetune.finetune_loss == "distill"  # the model's attention's recipe
     result = finetune(config)
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -54,7 +53,7 @@ def test_a_converted_model_trains_on_with_its_own_attention_distilled_from_its_t
     assert any(".rnn_params." not in name for name in changed) == (method == "lora")
 
     # "base" is the teacher and "converted" the model as it came, on the same held-out blocks
-    blocks = (config.heldout_block_size, config.max_eval_blocks)
+    blocks = (config.data.heldout_block_size, config.data.max_eval_blocks)
     teacher = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     expected = direct_perplexity(teacher, tiny_models["llama"], *blocks)
     assert result.evaluations["base"]["perplexity"] == pytest.approx(expected, rel=1e-5)
@@ -107,8 +106,8 @@ def test_a_teacher_of_another_shape_is_refused_before_anything_is_written(
     def loaded(*args, **kwargs):
         raise AssertionError("a model or the data loaded before --teacher was checked against --model")
 
-    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
-    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
+    monkeypatch.setattr(loading, "resolve_model", loaded)
+    monkeypatch.setattr(loading, "load_corpus", loaded)
     config = continued(converted_llama, tiny_models["gpt2"], tmp_path / "out")
     with pytest.raises(UserInputError, match=r"is not a conversion of --teacher '.*' \(GPT2LMHeadModel"):
         Finetuner(config)

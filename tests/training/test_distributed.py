@@ -22,7 +22,7 @@ import torch
 torch.set_num_threads(1)
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner
 
-finetuner = Finetuner(FinetuneConfig(**json.loads(sys.argv[1])))
+finetuner = Finetuner(FinetuneConfig.from_flags(**json.loads(sys.argv[1])))
 result = finetuner.run()
 accelerator = finetuner.accelerator
 torch.save(

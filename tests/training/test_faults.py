@@ -3,7 +3,6 @@
 (A run SIGKILLed at any moment is covered by test_resume.py.)
 """
 
-import dataclasses
 import json
 import logging
 import re
@@ -72,7 +71,7 @@ def run_copy(finished_run, tmp_path):
     """(config with --resume, folder): a copy of the finished run to damage and resume."""
     config, out = finished_run
     shutil.copytree(out, tmp_path / "out")
-    return dataclasses.replace(config, output_dir=str(tmp_path / "out"), resume=True), tmp_path / "out"
+    return config.with_flags(output_dir=str(tmp_path / "out"), resume=True), tmp_path / "out"
 
 
 def test_every_checkpoint_verifies_against_its_manifest(finished_run):
@@ -174,10 +173,10 @@ def test_a_tampered_checkpoint_that_matches_its_manifest_is_named_and_nothing_is
         tamper(checkpoint / name)
         write_manifest(checkpoint)
     before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
-    arguments = ["--output-dir", str(out), "--model", config.model, "--dataset", config.dataset, "--resume"]
+    arguments = ["--output-dir", str(out), "--model", config.model.model, "--dataset", config.data.dataset, "--resume"]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
     arguments += ["--block-size", "16", "--batch-size", "2", "--max-eval-blocks", "6", "--no-progress"]
-    arguments += ["--attention", config.attention, "--lr", str(config.lr), "--seed", "0"]
+    arguments += ["--attention", config.model.attention, "--lr", str(config.finetune.lr), "--seed", "0"]
     capsys.readouterr()
     assert main(["finetune", *arguments]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -205,7 +204,7 @@ def test_missing_rng_states_refuse_an_inexact_resume(run_copy, caplog):
     with pytest.raises(InexactResumeError, match=r"random_states_0\.pkl is missing.*--allow-inexact-resume"):
         finetune(config)
     with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
-        finetune(dataclasses.replace(config, allow_inexact_resume=True))
+        finetune(config.with_flags(allow_inexact_resume=True))
     assert any("not exact" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
@@ -217,11 +216,11 @@ def test_changed_training_data_is_noticed(tiny_models, tmp_path, caplog):
     shutil.rmtree(checkpoint_dirs(tmp_path / "out")[-1])  # as if killed after the first checkpoint
     with data.open("a") as handle:
         handle.write("\nA new paragraph of text that was not there when the run started.\n")
-    config = dataclasses.replace(config, resume=True)
+    config = config.with_flags(resume=True)
     with pytest.raises(InexactResumeError, match=r"the training data changed.*--allow-inexact-resume"):
         finetune(config)
     with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn"):
-        finetune(dataclasses.replace(config, allow_inexact_resume=True))
+        finetune(config.with_flags(allow_inexact_resume=True))
     assert any("training data changed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     finetune(config)  # the checkpoints written since record the new data: resuming them is exact again
 
@@ -299,7 +298,8 @@ def test_a_full_disk_while_saving_is_one_error_naming_path_and_bytes(tiny_models
     arguments = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
     common = ["--block-size", "16", "--batch-size", "2", "--cpu", "--no-progress", "--dataset", str(data)]
     capsys.readouterr()
-    assert main(["finetune", "--output-dir", config.output_dir, "--model", config.model, *common, *arguments]) == 2
+    arguments = ["--output-dir", config.output_dir, "--model", config.model.model, *common, *arguments]
+    assert main(["finetune", *arguments]) == 2
     error = capsys.readouterr().err
     assert "Traceback" not in error
     assert re.search(
@@ -346,10 +346,11 @@ def test_a_checkpoint_of_another_run_is_named_and_nothing_is_written(run_copy, c
         replace(checkpoint)
         write_manifest(checkpoint)
     before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
-    arguments = ["--output-dir", str(out), "--model", config.model, "--dataset", config.dataset, "--resume"]
+    arguments = ["--output-dir", str(out), "--model", config.model.model, "--dataset", config.data.dataset, "--resume"]
     arguments += [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
     arguments += ["--block-size", "16", "--batch-size", "2", "--eval-batch-size", "4", "--max-eval-blocks", "6"]
-    arguments += ["--attention", config.attention, "--lr", str(config.lr), "--transfer-lr", str(config.transfer_lr)]
+    arguments += ["--attention", config.model.attention, "--lr", str(config.finetune.lr)]
+    arguments += ["--transfer-lr", str(config.transfer.transfer_lr)]
     capsys.readouterr()
     assert main(["finetune", *arguments, "--seed", "0", "--no-progress"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]

@@ -33,8 +33,8 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNGPT2Attention, SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.long_context import extend_context
 from hf_softmax_rnn.training import Finetuner, finetune
-from hf_softmax_rnn.training.config import KEPT_RETRIEVAL_LAYERS
 from hf_softmax_rnn.training.metrics import read_metrics
+from hf_softmax_rnn.training.recipes import KEPT_RETRIEVAL_LAYERS
 from tests.models.helpers import LLAMA_SHAPE
 from tests.training.helpers import MAX_POSITIONS, VOCAB_SIZE, direct_perplexity, tiny_config, weights, word_tokenizer
 
@@ -134,10 +134,10 @@ def test_finetune_end_to_end(tiny_models, tmp_path, family, attention, method):
         torch.testing.assert_close(reloaded(ids).logits, result.model.eval()(ids).logits)
 
     assert list(result.evaluations) == ["base", "converted", "transfer", "finetune"]
-    expected = direct_perplexity(reloaded, tiny_models[family], config.block_size, config.max_eval_blocks)
+    expected = direct_perplexity(reloaded, tiny_models[family], config.data.block_size, config.data.max_eval_blocks)
     assert result.evaluations["finetune"]["perplexity"] == pytest.approx(expected, rel=1e-5)
     base = AutoModelForCausalLM.from_pretrained(tiny_models[family])
-    expected_base = direct_perplexity(base, tiny_models[family], config.block_size, config.max_eval_blocks)
+    expected_base = direct_perplexity(base, tiny_models[family], config.data.block_size, config.data.max_eval_blocks)
     assert result.evaluations["base"]["perplexity"] == pytest.approx(expected_base, rel=1e-5)
 
     records = read_metrics(out / "metrics.jsonl")
@@ -164,7 +164,8 @@ def test_extend_context_trains_the_hybrid_under_the_scaled_positions_of_its_exte
     config = tiny_config(tiny_models["llama"], out, attention="linear_elu", extend_context=2.0, block_size=96)
     result = finetune(config)
     base = extend_context(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), 2)
-    expected_base = direct_perplexity(base, tiny_models["llama"], config.heldout_block_size, config.max_eval_blocks)
+    blocks = (config.data.heldout_block_size, config.data.max_eval_blocks)
+    expected_base = direct_perplexity(base, tiny_models["llama"], *blocks)
     assert result.evaluations["base"]["perplexity"] == pytest.approx(expected_base, rel=1e-5)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.config.max_position_embeddings == 128
@@ -383,7 +384,7 @@ def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_toke
     tiny_llama().save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
     config = tiny_config(str(model_dir), tmp_path / "byte", attention=attention, finetune_steps=1, transfer_steps=0)
-    assert config.retrieval_layers == KEPT_RETRIEVAL_LAYERS
+    assert config.model.retrieval_layers == KEPT_RETRIEVAL_LAYERS
     finetune(config)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "byte")
     assert [saved.config.attention_spec(i).kept for i in range(2)] == [2048, 2048]
@@ -395,7 +396,7 @@ def test_the_recipe_gives_kept_specs_retrieval_layers_within_what_model_and_toke
     assert "No retrieval layers: the tokenizer writes numbers with no digit tokens" in caplog.text
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "word")
     assert [saved.config.attention_spec(i).kept for i in range(2)] == [2, 2]
-    assert tiny_config(tiny_models["llama"], tmp_path / "x", attention="hedgehog_window_64").retrieval_layers == 0
+    assert tiny_config(tiny_models["llama"], tmp_path / "x", attention="hedgehog_window_64").model.retrieval_layers == 0
 
 
 def test_lora_setup_raises_no_deprecation_warning_from_peft(tiny_models, tmp_path):
@@ -448,7 +449,7 @@ def test_layers_whose_exact_part_holds_a_training_block_are_named_and_their_stat
     config = tiny_config(
         tiny_models["llama"], tmp_path / "out", attention=attention, finetune_steps=1, transfer_steps=0, lr=1e-2
     )
-    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.trainer"):
+    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.model_checks"):
         finetuner = Finetuner(config)
         finetuner.run()
     message = (

@@ -17,8 +17,7 @@ from hf_softmax_rnn import convert
 from hf_softmax_rnn.cli import main
 from hf_softmax_rnn.data.corpus import load_corpus
 from hf_softmax_rnn.errors import UserInputError
-from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
-from hf_softmax_rnn.training import trainer as trainer_module
+from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune, loading, model_checks
 from tests.training.helpers import MAX_POSITIONS, tiny_config
 
 BAD_RUNS = {
@@ -131,8 +130,8 @@ def test_settings_against_the_models_config_stop_before_its_weights_and_the_data
     def loaded(*args, **kwargs):
         raise AssertionError("weights or data loaded before the settings were checked against the model's config")
 
-    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
-    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
+    monkeypatch.setattr(loading, "resolve_model", loaded)
+    monkeypatch.setattr(loading, "load_corpus", loaded)
     models = dict(tiny_models, gpt_neox=str(tmp_path / "gpt_neox"))
     GPTNeoXForCausalLM(
         GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
@@ -339,16 +338,20 @@ BAD_SETTINGS = {
 @pytest.mark.parametrize("settings,message", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
 def test_bad_settings_are_refused(tmp_path, settings, message):
     with pytest.raises(UserInputError, match=message):
-        FinetuneConfig(**dict(output_dir=str(tmp_path)) | settings)
+        FinetuneConfig.from_flags(**dict(output_dir=str(tmp_path)) | settings)
 
 
 def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(tmp_path):
-    lora = FinetuneConfig(output_dir=str(tmp_path))
+    lora = FinetuneConfig.from_flags(output_dir=str(tmp_path)).finetune
     assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets) == (8, 16.0, 0.0, None)
-    full = FinetuneConfig(output_dir=str(tmp_path), finetune_method="full")
+    full = FinetuneConfig.from_flags(output_dir=str(tmp_path), finetune_method="full").finetune
     assert (full.lora_rank, full.lora_alpha, full.lora_dropout, full.lora_targets) == (None, None, None, None)
-    assert dataclasses.replace(full, resume=True).lora_rank is None  # a config rebuilt from its fields stays valid
-    assert dataclasses.replace(lora, resume=True).lora_rank == 8
+    full, lora = (FinetuneConfig.from_flags(output_dir=str(tmp_path), finetune_method=m) for m in ("full", "lora"))
+    # a config rebuilt from its flags, or from its groups, stays valid
+    assert full.with_flags(resume=True).finetune.lora_rank is None
+    assert lora.with_flags(resume=True).finetune.lora_rank == 8
+    assert dataclasses.replace(full, output=dataclasses.replace(full.output, resume=True)).finetune.lora_rank is None
+    assert dataclasses.replace(lora, output=dataclasses.replace(lora.output, resume=True)).finetune.lora_rank == 8
 
 
 @pytest.mark.parametrize(
@@ -383,14 +386,18 @@ def test_lora_settings_keep_their_defaults_and_stay_unset_for_full_fine_tuning(t
     ],
 )
 def test_consistent_settings_are_accepted(tmp_path, settings):
-    config = FinetuneConfig(output_dir=str(tmp_path), **settings)
-    dataclasses.replace(config, overwrite=not config.resume)  # a config rebuilt from its fields stays valid
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path), **settings)
+    # a config rebuilt from its flags, or from its groups, stays valid
+    config.with_flags(overwrite=not config.output.resume)
+    dataclasses.replace(config, output=dataclasses.replace(config.output, overwrite=not config.output.resume))
 
 
 def test_a_config_without_retrieval_layers_rebuilt_from_its_fields_stays_valid(tmp_path):
-    config = FinetuneConfig(output_dir=str(tmp_path), attention="hedgehog_window_64")
-    assert (config.retrieval_layers, config.retrieval_kept) == (0, 2048)
-    assert dataclasses.replace(config, resume=True).retrieval_kept == 2048
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path), attention="hedgehog_window_64")
+    assert (config.model.retrieval_layers, config.model.retrieval_kept) == (0, 2048)
+    assert config.with_flags(resume=True).model.retrieval_kept == 2048
+    rebuilt = dataclasses.replace(config, output=dataclasses.replace(config.output, resume=True))
+    assert rebuilt.model.retrieval_kept == 2048
 
 
 def test_dataset_config_for_a_local_file_is_refused_before_anything_is_written(tiny_models, tmp_path, capsys):
@@ -406,7 +413,7 @@ def test_dataset_config_for_a_local_file_is_refused_before_anything_is_written(t
 def test_spec_file_that_is_not_json_is_refused(tmp_path):
     (tmp_path / "spec.json").write_text("{kind: softmax")
     with pytest.raises(UserInputError, match=r"--attention file '.*spec\.json' is not valid JSON"):
-        FinetuneConfig(output_dir=str(tmp_path / "out"), attention=str(tmp_path / "spec.json"))
+        FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"), attention=str(tmp_path / "spec.json"))
 
 
 def test_fp16_without_a_gpu_is_refused(tiny_models, tmp_path, fresh_accelerator_state):
@@ -502,9 +509,9 @@ def test_a_batch_whose_logits_exceed_the_devices_memory_stops_before_the_weights
     def loaded(*args, **kwargs):
         raise AssertionError("weights or data loaded before the batch was checked against the memory")
 
-    monkeypatch.setattr(trainer_module, "resolve_model", loaded)
-    monkeypatch.setattr(trainer_module, "load_corpus", loaded)
-    monkeypatch.setattr(trainer_module, "device_memory", lambda device: 10**6)
+    monkeypatch.setattr(loading, "resolve_model", loaded)
+    monkeypatch.setattr(loading, "load_corpus", loaded)
+    monkeypatch.setattr(model_checks, "device_memory", lambda device: 10**6)
     config = tiny_config(tiny_models["llama"], tmp_path / "out", **{name: 200})
     flag = "--" + name.replace("_", "-")
     with pytest.raises(
@@ -667,11 +674,11 @@ def test_heldout_blocks_follow_eval_block_size(tiny_models, tmp_path):
 
 
 def test_the_recipe_trains_kept_specs_on_2048_token_blocks_held_out_on_1024(tmp_path):
-    from hf_softmax_rnn.training.config import HELDOUT_BLOCK_SIZE
+    from hf_softmax_rnn.training.recipes import HELDOUT_BLOCK_SIZE
 
     def blocks(**settings) -> tuple[int, int]:
-        config = FinetuneConfig(output_dir=str(tmp_path), **settings)
-        return config.block_size, config.heldout_block_size
+        config = FinetuneConfig.from_flags(output_dir=str(tmp_path), **settings)
+        return config.data.block_size, config.data.heldout_block_size
 
     assert blocks() == (2048, HELDOUT_BLOCK_SIZE) == (2048, 1024)  # the default spec keeps positions
     assert blocks(attention="hedgehog_window_256_sinks_4_decay") == (1024, 1024)
@@ -684,8 +691,9 @@ def test_recipe_blocks_longer_than_the_model_are_cut_to_its_positions(tiny_model
     attention = dict(kind="linear", feature_map="elu", window=4, kept=2, chunk_size=4)
     config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=attention, block_size=None)
     with caplog.at_level("INFO"):
-        Finetuner(config)
-    assert (config.block_size, config.heldout_block_size) == (MAX_POSITIONS, MAX_POSITIONS)
+        finetuner = Finetuner(config)
+    assert (finetuner.config.data.block_size, finetuner.config.data.heldout_block_size) == (MAX_POSITIONS,) * 2
+    assert (config.data.block_size, config.data.heldout_block_size) == (1024, 1024)  # the given config is unchanged
     assert f"The recipe's block_size=1024 is cut to the model's {MAX_POSITIONS} positions" in caplog.text
 
 

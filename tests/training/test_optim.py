@@ -121,13 +121,13 @@ def test_the_first_adam_step_moves_feature_maps_by_the_rnn_learning_rate(tiny_mo
     """Adam's first step moves each parameter by its learning rate (times sign of the gradient, up
     to eps), so the largest move of the hedgehog maps is the rnn_params learning rate."""
     config = one_adam_step(tiny_models, tmp_path, lr=1e-3, rnn_lr=rnn_lr)
-    assert config.rnn_lr == (rnn_lr or 1e-3)
+    assert config.finetune.rnn_lr == (rnn_lr or 1e-3)
     finetuner = Finetuner(config)
     finetuner.run()
     maps = [p for name, p in finetuner.converted.named_parameters() if name.endswith("hedgehog_q")]
     eye = torch.eye(maps[0].shape[1], maps[0].shape[2])
     moved = max((p.detach() - eye).abs().max().item() for p in maps)
-    assert moved == pytest.approx(config.rnn_lr, rel=1e-2)
+    assert moved == pytest.approx(config.finetune.rnn_lr, rel=1e-2)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     (step,) = [row for row in rows if row["stage"] == "finetune" and "loss" in row]
     assert step["lr"] == 1e-3 and step.get("rnn_lr") == rnn_lr  # logged where it differs from lr

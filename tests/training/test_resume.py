@@ -1,6 +1,5 @@
 """A run killed with SIGKILL and resumed ends exactly where an uninterrupted run ends."""
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from hf_softmax_rnn.training import FinetuneConfig, finetune
-from hf_softmax_rnn.training.checkpointing import checkpoint_dirs
+from hf_softmax_rnn.training.checkpointing import checkpoint_dirs, write_manifest
 from hf_softmax_rnn.training.metrics import read_metrics
 from tests.training.helpers import tiny_config, weights
 
@@ -41,7 +40,7 @@ def save_and_maybe_die(*args, **kwargs):
     return path
 
 trainer.save_checkpoint = save_and_maybe_die
-finetune(FinetuneConfig(**settings))
+finetune(FinetuneConfig.from_flags(**settings))
 """
 
 # stage 1: 3 steps, checkpoints at global steps 2, 3; stage 2 (LoRA): 4 steps, checkpoints at 5, 7;
@@ -84,7 +83,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_models, uninterrupted, tmp_
     assert checkpoint_dirs(tmp_path / "run")[-1].name == f"checkpoint-{resumed_step:07d}"
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
-    result = finetune(dataclasses.replace(config, resume=True))
+    result = finetune(config.with_flags(resume=True))
 
     reference, resumed = weights(uninterrupted), weights(tmp_path / "run")
     assert reference.keys() == resumed.keys()
@@ -99,22 +98,109 @@ def test_resume_refuses_changed_settings(tiny_models, tmp_path):
     config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
     finetune(config)
     with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
-        finetune(dataclasses.replace(config, resume=True, lr=0.5))
+        finetune(config.with_flags(resume=True, lr=0.5))
+
+
+#: How a checkpoint of an earlier release recorded the settings of `test_resume_refuses_changed_settings`'s run (one
+#: entry per flag; "MODEL" and "OUT" stand for its folders): such a checkpoint resumes.
+FLAT_RECORD = {
+    "output_dir": "OUT",
+    "model": "MODEL",
+    "teacher": None,
+    "attention": "softmax_divS_norm",
+    "layers": None,
+    "retrieval_layers": 0,
+    "retrieval_kept": 2048,
+    "extend_context": None,
+    "attention_mode": "chunked",
+    "dataset": "pydoc",
+    "dataset_config": None,
+    "text_column": "text",
+    "streaming": False,
+    "test_fraction": 0.1,
+    "block_size": 16,
+    "eval_block_size": None,
+    "batch_size": 2,
+    "grad_accum": 1,
+    "eval_batch_size": 4,
+    "max_eval_blocks": 6,
+    "shuffle_buffer": 10000,
+    "generated_texts": 256,
+    "generated_tokens": 512,
+    "recall_facts": 0,
+    "transfer_steps": 2,
+    "transfer_lr": 0.01,
+    "transfer_lm_weight": 0.0,
+    "transfer_modules": None,
+    "transfer_teacher_forcing": True,
+    "finetune_steps": 0,
+    "finetune_method": "lora",
+    "finetune_loss": "lm",
+    "lr": 0.01,
+    "rnn_lr": 0.01,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "lora_dropout": 0.0,
+    "lora_targets": None,
+    "state_steps": 0,
+    "state_block_size": 4096,
+    "state_lr": 0.01,
+    "state_gradient_checkpointing": True,
+    "lr_scheduler": "cosine",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "mixed_precision": "no",
+    "seed": 0,
+    "cpu": False,
+    "gradient_checkpointing": False,
+    "eval_every": 2,
+    "save_every": 2,
+    "save_total_limit": 2,
+    "resume": False,
+    "allow_inexact_resume": False,
+    "overwrite": False,
+    "progress": False,
+    "long_eval": False,
+    "long_eval_texts": "shakespeare",
+    "long_eval_positions": [0, 64, 256, 1024, 2048, 4096],
+    "long_eval_sequences": 2,
+    "long_eval_passkey": [1024, 2048],
+    "long_eval_trials": 4,
+    "long_eval_fidelity": True,
+    "push_to_hub": None,
+    "hub_private": False,
+}
+
+
+def test_a_checkpoint_recorded_in_the_flat_layout_of_an_older_release_resumes(tiny_models, tmp_path):
+    config = tiny_config(tiny_models["llama"], tmp_path / "run", transfer_steps=2, finetune_steps=0)
+    first = finetune(config)
+    record = FLAT_RECORD | {"model": tiny_models["llama"], "output_dir": str(tmp_path / "run")}
+    assert config.to_dict() == record  # the layout is the one recorded before
+    for checkpoint in checkpoint_dirs(tmp_path / "run"):
+        path = checkpoint / "trainer_state.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"config": record}))
+        write_manifest(checkpoint)
+    with pytest.raises(ValueError, match=r"different settings: lr: checkpoint 0\.01, now 0\.5"):
+        finetune(config.with_flags(resume=True, lr=0.5))
+    resumed = finetune(config.with_flags(resume=True))
+    assert resumed.evaluations == first.evaluations
 
 
 @pytest.mark.parametrize("rnn_lr", [None, 0.5], ids=["as-lr", "its-own"])
 def test_a_checkpoint_recorded_without_rnn_lr_trained_rnn_params_at_lr(tmp_path, rnn_lr):
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), lr=0.01, rnn_lr=rnn_lr)
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), lr=0.01, rnn_lr=rnn_lr)
     recorded = {name: value for name, value in config.to_dict().items() if name != "rnn_lr"}
     expected = [] if rnn_lr is None else ["rnn_lr: checkpoint 0.01, now 0.5"]
     assert config.resume_conflicts(recorded) == expected
 
 
 def test_a_checkpoint_recorded_without_state_settings_trained_no_state_stage(tmp_path):
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax")
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), attention="gated_softmax")
     recorded = {name: value for name, value in config.to_dict().items() if not name.startswith("state_")}
     assert config.resume_conflicts(_as_read_back(recorded)) == []
-    with_state = FinetuneConfig(output_dir=str(tmp_path / "run"), attention="gated_softmax", state_steps=2)
+    with_state = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), attention="gated_softmax", state_steps=2)
     assert with_state.resume_conflicts(_as_read_back(recorded)) == ["state_steps: checkpoint 0, now 2"]
 
 
@@ -136,14 +222,14 @@ def test_resume_accepts_the_model_folder_spelt_another_way(tiny_models, tmp_path
     first = finetune(config)
     trained = (tmp_path / "run" / "metrics.jsonl").read_text()
     monkeypatch.chdir(model.parent)
-    resumed = finetune(dataclasses.replace(config, model=f"./{model.name}/", resume=True))
+    resumed = finetune(config.with_flags(model=f"./{model.name}/", resume=True))
     assert resumed.evaluations == first.evaluations  # the finished run's results, not a second run's
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == trained  # no step trained again
 
 
 def _saved_and_now(tmp_path, saved: str, now: str, **settings) -> list[str]:
     """The conflicts of a config naming `now` with a checkpoint that named `saved` (paths under `tmp_path`)."""
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), model=now, **settings)
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), model=now, **settings)
     return config.resume_conflicts({**config.to_dict(), "model": saved, **{k: saved for k in settings}})
 
 
@@ -181,7 +267,7 @@ def test_another_model_still_conflicts(tmp_path, monkeypatch, saved, now):
 def test_a_local_dataset_file_compares_resolved(tmp_path, monkeypatch):
     (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
     monkeypatch.chdir(tmp_path)
-    config = FinetuneConfig(output_dir=str(tmp_path / "run"), dataset="pydoc+./data.jsonl")
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "run"), dataset="pydoc+./data.jsonl")
     saved = config.to_dict()
     assert config.resume_conflicts({**saved, "dataset": f"pydoc+{tmp_path}/data.jsonl"}) == []
     assert config.resume_conflicts({**saved, "dataset": f"{tmp_path}/data.jsonl"})  # other sources

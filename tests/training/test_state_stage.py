@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.layers.attention import SoftmaxRNNLlamaAttention
 from hf_softmax_rnn.training import FinetuneConfig, Finetuner, finetune
-from hf_softmax_rnn.training.config import STATE_BLOCK_SIZE
 from hf_softmax_rnn.training.data import ShuffledBlocks
 from hf_softmax_rnn.training.metrics import read_metrics
+from hf_softmax_rnn.training.recipes import STATE_BLOCK_SIZE
 from tests.training.helpers import MAX_POSITIONS, VOCAB_SIZE, direct_perplexity, tiny_config, weights
 
 HYBRID = dict(kind="linear", feature_map="hedgehog", window=4, sinks=1, kept=2, decay=True, chunk_size=4)
@@ -43,19 +43,20 @@ def lora_then_state(tiny_models, tmp_path_factory):
 
 
 def test_the_default_recipe_ends_with_ten_steps_of_the_state_on_4096_token_blocks(tmp_path):
-    config = FinetuneConfig(output_dir=str(tmp_path / "out"))
+    config = FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"))
     assert config.stage_names == ["finetune", "state"]
-    assert (config.state_steps, config.state_block_size, config.state_lr) == (10, STATE_BLOCK_SIZE, 1e-2)
-    assert config.block_size == 2048
+    state = config.state
+    assert (state.state_steps, state.state_block_size, state.state_lr) == (10, STATE_BLOCK_SIZE, 1e-2)
+    assert config.data.block_size == 2048
 
 
 @pytest.mark.parametrize(
     "attention", ["hedgehog_window_64", "hedgehog_window_256_sinks_4_decay", "linear_hedgehog", "gated_softmax"]
 )
 def test_other_recipes_have_no_state_stage_unless_asked(tmp_path, attention):
-    assert "state" not in FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention).stage_names
-    asked = FinetuneConfig(output_dir=str(tmp_path / "out"), attention=attention, state_steps=3)
-    assert asked.stage_names[-1] == "state" and asked.state_steps == 3
+    assert "state" not in FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"), attention=attention).stage_names
+    asked = FinetuneConfig.from_flags(output_dir=str(tmp_path / "out"), attention=attention, state_steps=3)
+    assert asked.stage_names[-1] == "state" and asked.state.state_steps == 3
 
 
 def test_the_state_stage_reads_blocks_of_its_own_length_after_the_other_stages(lora_then_state):
@@ -188,8 +189,8 @@ def test_too_little_data_for_one_state_block_names_its_flag(tiny_models, tmp_pat
 
 def test_the_recipe_state_block_is_cut_to_the_models_positions(tiny_models, tmp_path, caplog):
     config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=HYBRID, transfer_steps=0, state_steps=1)
-    assert config.state_block_size == STATE_BLOCK_SIZE
-    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.trainer"):
+    assert config.state.state_block_size == STATE_BLOCK_SIZE
+    with caplog.at_level("INFO", logger="hf_softmax_rnn.training.config"):
         finetuner = Finetuner(config)
     assert finetuner.stages[-1].block_size == MAX_POSITIONS
     assert f"state_block_size={STATE_BLOCK_SIZE} is cut to the model's {MAX_POSITIONS} positions" in caplog.text
@@ -212,8 +213,8 @@ def test_the_recipe_state_stage_is_left_out_where_the_model_is_too_short_to_trai
     tiny_models, tmp_path, caplog
 ):
     config = tiny_config(tiny_models["llama"], tmp_path / "out", attention=WIDE, transfer_steps=0, finetune_steps=1)
-    assert config.state_steps == 10
-    with caplog.at_level("WARNING", logger="hf_softmax_rnn.training.trainer"):
+    assert config.state.state_steps == 10
+    with caplog.at_level("WARNING", logger="hf_softmax_rnn.training.model_checks"):
         finetuner = Finetuner(config)
     assert [stage.name for stage in finetuner.stages] == ["finetune"]
     assert "No state stage: a 64-token block fits in the exact part of every converted layer" in caplog.text

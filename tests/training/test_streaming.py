@@ -6,7 +6,7 @@ import pytest
 from datasets import DatasetDict
 
 from hf_softmax_rnn.data.corpus import load_corpus
-from hf_softmax_rnn.training import finetune, trainer
+from hf_softmax_rnn.training import finetune, loading
 from hf_softmax_rnn.training.checkpointing import latest_checkpoint
 from tests.training.helpers import tiny_config
 
@@ -19,7 +19,7 @@ def _streamed_corpus(*args, **kwargs) -> DatasetDict:
 def test_streamed_dataset_trains_and_scores_the_same_held_out_blocks(tiny_models, tmp_path, monkeypatch):
     settings = dict(transfer_steps=2, finetune_steps=2)
     loaded = finetune(tiny_config(tiny_models["llama"], tmp_path / "loaded", **settings))
-    monkeypatch.setattr(trainer, "load_corpus", _streamed_corpus)
+    monkeypatch.setattr(loading, "load_corpus", _streamed_corpus)
     streamed = finetune(
         tiny_config(tiny_models["llama"], tmp_path / "streamed", streaming=True, shuffle_buffer=1, **settings)
     )
