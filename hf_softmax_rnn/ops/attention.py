@@ -28,6 +28,9 @@ from hf_softmax_rnn.ops.window import banded_exp_attention, merge_exact, mix_wei
 from hf_softmax_rnn.ops.window_step import window_hybrid_step, window_in_order
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: A chunked call on a CPU without autograd (prefill, scoring) longer than this many positions runs in
+#: segments of this many, the state handed from each to the next (`_in_segments`).
+PREFILL_SEGMENT = 2048
 
 
 def _autocast_dtype(q, k, v) -> torch.dtype | None:
@@ -383,6 +386,15 @@ def _finite_state_form(
     state's `t` counts the visible positions so far; its `made_by` is the caller's to set. `keep_state`: the
     caller wants the new state; `in_place`: the state is updated in place (decoding without autograd);
     `softcap` caps a hybrid's exact scores."""
+    if _in_segments(q, k, v, mode):
+
+        def segment(q, k, v, key_mask, state, log_decay, strength, keep_state):
+            return _finite_state_form(
+                q, k, v, key_mask, state, spec, mode, kernel, softmax_scale, params, log_decay, strength, dtype,
+                io_dtype, keep_state=keep_state, in_place=False, softcap=softcap,
+            )  # fmt: skip
+
+        return _in_segments_of(segment, q, k, v, key_mask, state, log_decay, strength, keep_state)
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     input_qkv = (q, k, v)
@@ -433,6 +445,46 @@ def _finite_state_form(
         visible = state.t[:, None, None] + key_mask.cumsum(-1)[:, None, :]
         new_state.t = visible[:, 0, -1]
     return numerator, denominator.squeeze(-1), visible, new_state
+
+
+def _in_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str) -> bool:
+    """Whether a chunked call runs in segments of `PREFILL_SEGMENT` positions: on a CPU, without autograd,
+    when longer. Each segment then works in the CPU's caches, and the kept selection's counts, which grow
+    with the square of a call's length (`ops.kept._exit_steps`), with the square of the segment's: the
+    time grows linearly with the length. The result is the whole call's to round-off (a state handed
+    across calls continues it exactly)."""
+    return (
+        mode == "chunked"
+        and q.shape[-2] > PREFILL_SEGMENT
+        and q.device.type == "cpu"
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+    )
+
+
+def _in_segments_of(
+    form: Callable, q, k, v, key_mask, state, log_decay, strength, keep_state: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecurrentState]:
+    """`form` (`_finite_state_form` of the call's other arguments) over segments of `PREFILL_SEGMENT`
+    positions along L, each from the state the one before left; their numerators `[B, Hkv, G, L, Dv]`,
+    denominators `[B, Hkv, G, L]` and visible counts `[B, 1, L]` joined along L, and the last state."""
+    numerators, denominators, visible = [], [], []
+    length = q.shape[-2]
+    for start in range(0, length, PREFILL_SEGMENT):
+        span = slice(start, start + PREFILL_SEGMENT)
+        numerator, denominator, seen, state = form(
+            q[..., span, :],
+            k[..., span, :],
+            v[..., span, :],
+            key_mask[:, span],
+            state,
+            None if log_decay is None else log_decay[..., span],
+            None if strength is None else strength[..., span],
+            keep_state or start + PREFILL_SEGMENT < length,
+        )
+        numerators.append(numerator)
+        denominators.append(denominator)
+        visible.append(seen)
+    return torch.cat(numerators, dim=-2), torch.cat(denominators, dim=-1), torch.cat(visible, dim=-1), state
 
 
 def _normalized(

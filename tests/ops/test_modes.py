@@ -1,5 +1,7 @@
 """parallel == chunked == recurrent, outputs, states and gradients, for every finite-state variant."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,6 +10,9 @@ from hypothesis import strategies as st
 from hf_softmax_rnn.ops import attention
 
 from .helpers import FINITE_SPECS, as_params, gated, left_padding_mask, make_inputs, make_params
+
+#: the module, which `hf_softmax_rnn.ops.attention` (the function) hides
+attention_module = importlib.import_module("hf_softmax_rnn.ops.attention")
 
 SPEC_IDS = sorted(FINITE_SPECS)
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -88,6 +93,41 @@ def test_state_handed_across_calls(name, second_mode):
     torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, **TOL)
     torch.testing.assert_close(state.S, whole_state.S, **TOL)
     assert state.t.tolist() == whole_state.t.tolist() == [13, 8]
+
+
+@pytest.mark.parametrize("name", SPEC_IDS)
+def test_long_call_in_segments_equals_the_parallel_form(name, monkeypatch):
+    """A chunked call without autograd longer than `PREFILL_SEGMENT` runs in segments (here 4 positions, 4
+    segments) and gives the parallel form's output and the one-piece call's state."""
+    spec = FINITE_SPECS[name].__class__(**{**FINITE_SPECS[name].to_dict(), "chunk_size": 3})
+    q, k, v, gate_logits = make_inputs(length=13)
+    params = make_params(spec)
+    mask = left_padding_mask(2, 13, [0, 5])
+    parallel, _ = _run(spec, "parallel", q, k, v, gate_logits, params, mask)
+    whole, whole_state = _run(spec, "chunked", q, k, v, gate_logits, params, mask)
+    forms = attention_module._finite_state
+    calls = []
+    monkeypatch.setattr(attention_module, "PREFILL_SEGMENT", 4)
+    monkeypatch.setattr(attention_module, "_finite_state", lambda *a, **kw: calls.append(1) or forms(*a, **kw))
+    segmented, segmented_state = _run(spec, "chunked", q, k, v, gate_logits, params, mask)
+    assert len(calls) == 4
+    torch.testing.assert_close(segmented, parallel, **TOL)
+    for field in ("S", "z", "t"):
+        torch.testing.assert_close(getattr(segmented_state, field), getattr(whole_state, field), **TOL)
+    torch.testing.assert_close(whole, parallel, **TOL)
+
+
+def test_a_call_with_autograd_stays_whole(monkeypatch):
+    """Segments are for calls without autograd: with it, one call (its backward is one pass)."""
+    spec = FINITE_SPECS["hedgehog_window_64_sinks_4_decay"]
+    q, k, v, gate_logits = make_inputs(length=13, requires_grad=True)
+    forms = attention_module._finite_state
+    calls = []
+    monkeypatch.setattr(attention_module, "PREFILL_SEGMENT", 4)
+    monkeypatch.setattr(attention_module, "_finite_state", lambda *a, **kw: calls.append(1) or forms(*a, **kw))
+    out, _ = _run(spec, "chunked", q, k, v, gate_logits, make_params(spec), None)
+    out.sum().backward()
+    assert len(calls) == 1 and q.grad is not None
 
 
 def test_left_padding_equals_unpadded_row():
