@@ -23,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import importlib
 import logging
 import subprocess
 import sys
@@ -43,6 +44,9 @@ from hf_softmax_rnn.training.recipes import DEFAULT_ATTENTION, KEPT_RETRIEVAL_LA
 from hf_softmax_rnn.utils import check_at_least, hardware_name, set_threads
 
 logger = logging.getLogger("bench_prefill")
+#: the module (`hf_softmax_rnn.ops.attention`, which the function of that name hides), whose segment length
+#: `--prefill-segment` sets
+attention_ops = importlib.import_module("hf_softmax_rnn.ops.attention")
 
 ORIGINAL = "original"
 CONVERTED = "converted"
@@ -145,11 +149,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--profile", action="store_true", help="profile each model once at the longest length")
+    parser.add_argument(
+        "--prefill-segment",
+        type=int,
+        default=attention_ops.PREFILL_SEGMENT,
+        help="positions a chunked call runs in one piece (hf_softmax_rnn.ops.attention.PREFILL_SEGMENT; "
+        f"0: no limit; default {attention_ops.PREFILL_SEGMENT})",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench_prefill"), help="folder of the report files")
     args = parser.parse_args(argv)
     try:
         check_at_least("--rounds", args.rounds)
         check_at_least("--threads", args.threads)
+        check_at_least("--prefill-segment", args.prefill_segment, 0)
         for length in args.lengths:
             check_at_least("--lengths", length)
     except UserInputError as error:
@@ -185,7 +197,11 @@ def main(argv: list[str] | None = None) -> None:
         if not hasattr(converted.config, "attention_spec"):
             sys.exit(f"--converted={str(args.converted)!r} is not a converted model (its config has no attention_spec)")
     models = {ORIGINAL: original.eval(), CONVERTED: converted.eval()}
-    results = measure(models, sorted(args.lengths), args.rounds, args.seed)
+    segment, attention_ops.PREFILL_SEGMENT = attention_ops.PREFILL_SEGMENT, args.prefill_segment or sys.maxsize
+    try:
+        results = measure(models, sorted(args.lengths), args.rounds, args.seed)
+    finally:
+        attention_ops.PREFILL_SEGMENT = segment
     provenance = (
         f"{datetime.date.today()}, commit {commit}, {hardware_name(torch.device('cpu'))}, "
         f"float32: `python scripts/bench_prefill.py {' '.join(sys.argv[1:])}`"

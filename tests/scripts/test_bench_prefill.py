@@ -42,6 +42,24 @@ def test_the_default_structure_against_the_original(original_dir, tmp_path, monk
     assert (output / "bench_prefill.png").stat().st_size > 0
 
 
+def test_the_prefill_segment_is_set_for_the_run_only(original_dir, tmp_path, monkeypatch):
+    """`--prefill-segment 8`: a converted model's 24-token calls run in segments of 8; the setting is restored."""
+    module = load_script("bench_prefill", monkeypatch)
+    forms = module.attention_ops._finite_state
+    lengths = []
+    monkeypatch.setattr(
+        module.attention_ops, "_finite_state", lambda q, *a, **kw: lengths.append(q.shape[-2]) or forms(q, *a, **kw)
+    )
+    converted_dir = tmp_path / "converted"
+    convert(
+        LlamaForCausalLM.from_pretrained(original_dir), {"kind": "linear", "feature_map": "elu", "window": 2}
+    ).save_pretrained(converted_dir)
+    argv = ["--model", str(original_dir), "--converted", str(converted_dir), "--lengths", "24", "--rounds", "1"]
+    module.main([*argv, "--prefill-segment", "8", "--output", str(tmp_path / "bench")])
+    assert lengths and set(lengths) == {8}
+    assert module.attention_ops.PREFILL_SEGMENT == 2048
+
+
 def test_a_saved_converted_model(original_dir, tmp_path, monkeypatch, capsys):
     converted_dir = tmp_path / "converted"
     convert(LlamaForCausalLM.from_pretrained(original_dir), "hedgehog_window_64").save_pretrained(converted_dir)
@@ -60,8 +78,8 @@ def test_the_default_structure_keeps_more_in_layers_spread_over_the_depth(monkey
     ("flags", "named"),
     [(["--rounds", "0"], "--rounds=0"), (["--lengths", "8", "-3"], "--lengths=-3"),
      (["--threads", "0"], "--threads=0"), (["--converted", "missing"], "--converted='missing'"),
-     (["--model", "nowhere"], "--model='nowhere'")],
-    ids=["rounds", "lengths", "threads", "converted", "model"],
+     (["--model", "nowhere"], "--model='nowhere'"), (["--prefill-segment", "-1"], "--prefill-segment=-1")],
+    ids=["rounds", "lengths", "threads", "converted", "model", "prefill_segment"],
 )  # fmt: skip
 def test_bad_settings_are_refused_naming_them(flags, named, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
