@@ -153,11 +153,12 @@ def test_weights_are_copied_and_rnn_params_are_the_only_additions(source):
 
 @pytest.mark.parametrize("spec", list(FINITE_STATE_SPECS.values()), ids=list(FINITE_STATE_SPECS))
 def test_finite_state_modes_agree_and_cached_generation_matches_recomputation(source, spec):
-    converted = perturb_rnn_params(convert(source, spec)).eval()
+    converted = perturb_rnn_params(convert(source, spec, attention_mode="parallel")).eval()
     assert converted.config.layer_types == ["softmax_rnn_recurrent"] * 2
     ids, mask = left_padded_batch()
     visible = mask.bool()
     parallel = logits(converted, ids, mask)
+    assert {module.attention_mode for module in softmax_rnn_attention_modules(converted)} == {"parallel"}
     for module in softmax_rnn_attention_modules(converted):
         module.set_attention_mode("chunked")
     torch.testing.assert_close(logits(converted, ids, mask)[visible], parallel[visible], atol=2e-5, rtol=0)
