@@ -114,6 +114,8 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         ({"lengths": ()}, r"lengths=\(\) and depths"),
         ({"seed": -1}, r"seed=-1 is not allowed; expected an int >= 0"),
         ({"seed": 1.5}, r"seed=1.5 is not allowed"),
+        ({"lengths": (300, 400, 300)}, r"passkey lengths=\[300, 400, 300\] names 300 more than once"),
+        ({"depths": (0.5, 0.2, 0.5)}, r"passkey depths=\[0.5, 0.2, 0.5\] names 0.5 more than once .*counted twice"),
     ],
     ids=[
         "beyond-positions",
@@ -124,6 +126,8 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         "no-lengths",
         "negative-seed",
         "float-seed",
+        "length-twice",
+        "depth-twice",
     ],
 )
 def test_bad_settings_are_refused_before_any_answer(kwargs, message, tok):
