@@ -165,10 +165,13 @@ def passkey_retrieval(
     was_training = model.training
     model.eval()
     results, answers = {}, []
-    cases = [(length, depth, trial) for length in lengths for depth in depths for trial in range(trials)]
+    # (made as they are asked, not listed, nor given to itertools.product, which lists range(trials): trials=10**12
+    # would not fit)
+    cases = ((length, depth, trial) for length in lengths for depth in depths for trial in range(trials))
+    total = len(lengths) * len(depths) * trials
     start = {length: None for length in lengths}
     try:
-        for length, depth, _ in tqdm(cases, desc="Passkey", unit="prompt", disable=not progress):
+        for length, depth, _ in tqdm(cases, desc="Passkey", unit="prompt", total=total, disable=not progress):
             start[length] = start[length] or time.perf_counter()
             key = rng.randrange(10000, 100000)
             prompt_tokens = length - max_new_tokens

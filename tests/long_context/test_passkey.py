@@ -2,6 +2,7 @@
 right or wrong by rule, a real generate path, and bad input refused before any prompt is answered."""
 
 import re
+import tracemalloc
 
 import pytest
 import torch
@@ -163,3 +164,24 @@ def test_too_little_filler_is_refused(tok):
     model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
     with pytest.raises(UserInputError, match="the filler texts hold 2[0-9]{2} tokens, fewer than .* 400"):
         passkey_retrieval(model, tok, TEXTS[:1], lengths=(400,), progress=False)
+
+
+class _FirstAnswer(Exception):
+    """Raised by a stub model to stop a run at its first answer."""
+
+
+def test_a_run_of_many_trials_starts_answering_without_listing_them_first(tok):
+    """trials=10**12 (a typo of 10**2) ran out of memory listing every (length, depth, trial) before the first
+    answer, with a MemoryError's traceback; 10**6 of them took 100 MB before the first answer (under 40 kB now)."""
+
+    def stop(fraction):
+        raise _FirstAnswer
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(_FirstAnswer):
+            passkey_retrieval(StubModel(tok, stop), tok, FILLER, lengths=(300,), depths=(0.5,), trials=10**6)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
