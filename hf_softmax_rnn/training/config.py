@@ -11,6 +11,8 @@ import dataclasses
 import json
 import math
 import operator
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,44 @@ def _check_at_least(name: str, value: float, minimum: float = 1) -> None:
         raise UserInputError(f"{name}={value!r} is not allowed; expected a number >= {minimum}")
     if not math.isfinite(value):  # (a weight decay or loss weight of inf diverges at the first step)
         raise UserInputError(f"{name}={value!r} is not allowed; expected a finite number >= {minimum}")
+
+
+#: Declared type -> (the types a value of it may have, in words); bool is refused where an int or a float is declared.
+_CHECKED_TYPES: dict[type, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an int"),
+    float: ((int, float), "a number"),
+    bool: ((bool,), "True or False"),
+}
+_LIST_TYPES = {int: ((int,), "a list of ints"), str: ((str,), "a list of strings")}
+
+
+def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
+    return isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+
+
+def _check_field_types(config: FinetuneConfig) -> None:
+    """Each number, switch and list field holds its declared type (from Python, a block size of 4.5, a batch size of
+    "4" or layers=3 would fail deep inside the run, or be truncated without a word); the command line parses them.
+    Text fields are not checked: a `Path` or an `AttentionSpec` stands for a path or a recipe there."""
+    for name, annotation in typing.get_type_hints(type(config)).items():
+        value, optional = getattr(config, name), False
+        if isinstance(annotation, types.UnionType):
+            members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+            optional = len(members) < len(typing.get_args(annotation))
+            annotation = members[0] if len(members) == 1 else None
+        if value is None and optional:
+            continue
+        if typing.get_origin(annotation) is list and typing.get_args(annotation)[0] in _LIST_TYPES:
+            allowed, words = _LIST_TYPES[typing.get_args(annotation)[0]]
+            fits = isinstance(value, (list, tuple)) and all(_fits(item, allowed) for item in value)
+        elif annotation in _CHECKED_TYPES:
+            allowed, words = _CHECKED_TYPES[annotation]
+            fits = _fits(value, allowed)
+        else:
+            continue
+        if not fits:
+            none = "None or " if optional else ""
+            raise UserInputError(f"{name}={value!r} has type {type(value).__name__}; expected {none}{words}")
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -519,6 +559,7 @@ class FinetuneConfig:
     hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         for name, value in self.to_dict().items():
             if isinstance(value, str) and "\0" in value:
                 raise UserInputError(f"{_flag(name)} {value!r} holds a NUL byte, which no path or name can hold")
