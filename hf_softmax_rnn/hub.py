@@ -214,6 +214,12 @@ class RemoteCodeMixin:
     config.json never names code the folder does not hold."""
 
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
+        # transformers logs this and returns, saving nothing
+        if os.path.isfile(save_directory):
+            raise NotADirectoryError(
+                f"{type(self).__name__}.save_pretrained({str(save_directory)!r}): that path is a file; expected a "
+                "folder to save into (new or existing)"
+            )
         auto_class = self._remote_code_auto_class()
         if auto_class is None:
             return super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)

@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -203,6 +204,20 @@ def test_save_with_push_to_hub_is_refused_for_remote_code(tmp_path):
     model.register_for_auto_class("AutoModelForCausalLM")
     with pytest.raises(ValueError, match="call model.push_to_hub"):
         model.save_pretrained(tmp_path, push_to_hub=True)
+
+
+@pytest.mark.parametrize("remote_code", [False, True], ids=["plain", "remote_code"])
+def test_save_into_a_path_that_is_a_file_raises_and_leaves_the_file(tmp_path, remote_code):
+    """transformers logs the error and returns, so the model would be lost without a word."""
+    model = convert(SOURCES["llama"](), "linear_elu")
+    if remote_code:
+        model.register_for_auto_class("AutoModelForCausalLM")
+    target = tmp_path / "model.bin"
+    target.write_text("kept")
+    message = rf"save_pretrained\('{re.escape(str(target))}'\): that path is a file; expected a folder"
+    with pytest.raises(NotADirectoryError, match=message):
+        model.save_pretrained(target)
+    assert target.read_text() == "kept" and list(tmp_path.iterdir()) == [target]
 
 
 def test_flat_names_qualify_only_different_modules_with_colliding_basenames():

@@ -26,8 +26,9 @@ from hf_softmax_rnn.analysis.ablate import (
 )
 from hf_softmax_rnn.analysis.byte_tokenizer import byte_tokenizer
 from hf_softmax_rnn.data.corpus import load_corpus
+from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.flags import SHOWN_DEFAULT, add_dataclass_arguments, option
-from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, resolve_device, set_threads
+from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, check_distinct, resolve_device, set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,21 @@ def run(args) -> str:
     set_threads(args.threads)
     for name in args.variants:
         variant_spec(name)
+    check_distinct("--variants", args.variants, "its runs would be trained and reported again")
     budget = budget_from_args(args)
     device = resolve_device(args.device)
     tokenizer = byte_tokenizer()
     corpus = load_corpus(args.dataset)
     train, test = (token_blocks(corpus[split], tokenizer, budget.seq_len) for split in ("train", "test"))
     logger.info("%d train and %d held-out blocks of %d bytes; budget %s", len(train), len(test), budget.seq_len, budget)
+    for name in ("eval_blocks", "test_blocks"):
+        asked = getattr(args, name, None)
+        if asked is not None and asked > len(test):
+            flag = "--" + name.replace("_", "-")
+            raise UserInputError(
+                f"{flag}={asked} is more than the {len(test)} held-out blocks of {budget.seq_len} bytes; expected at "
+                f"most {len(test)} (or drop {flag}), more held-out text or shorter blocks"
+            )
     runs = []
     progress = not args.no_progress
     for name in tqdm(args.variants, desc="Variants", disable=not progress):

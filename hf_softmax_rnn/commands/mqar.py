@@ -13,7 +13,7 @@ from pathlib import Path
 from hf_softmax_rnn.analysis.mqar_train import DEFAULT_SPECS, MQARRun, plot_results, train_mqar, write_csv, write_table
 from hf_softmax_rnn.analysis.small_models import check_width
 from hf_softmax_rnn.attention_spec import AttentionSpec
-from hf_softmax_rnn.data.mqar import MQARConfig
+from hf_softmax_rnn.data.mqar import MQARConfig, check_examples_fit
 from hf_softmax_rnn.errors import user_input_checks
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
 from hf_softmax_rnn.utils import DEVICE_HELP, THREADS_HELP, check_distinct, resolve_device, set_threads
@@ -55,10 +55,13 @@ def _tasks(args) -> list[MQARConfig]:
     with user_input_checks(ValueError, TypeError):
         for name in args.attention:
             AttentionSpec.coerce(name)
-        return [
+        tasks = [
             MQARConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, num_kv_pairs=k, power_a=args.power_a)
             for k in args.num_kv_pairs
         ]
+        for flag in ("--num-train", "--num-test"):
+            check_examples_fit(getattr(args, flag[2:].replace("-", "_")), tasks[0], flag)
+        return tasks
 
 
 def run(args) -> str:

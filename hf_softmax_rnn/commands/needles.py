@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> str:
     options = NeedlesOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(NeedlesOptions)})
     if options.output is not None and Path(options.output).is_file():
         raise UserInputError(f"--output {options.output!r} is a file; expected a folder")
+    if options.texts != DEFAULT_EVAL_TEXTS and "shakespeare" not in options.fillers:
+        raise UserInputError(
+            f"--texts {options.texts!r} sets the texts of the 'shakespeare' filler, which --fillers "
+            f"{' '.join(options.fillers)} leaves out; add shakespeare to --fillers or drop --texts"
+        )
     original = options.original or original_of(options.model)
     names = {ORIGINAL: original, "model": options.model}
     if original.lower() == "none" or original == options.model:

@@ -26,7 +26,7 @@ from hf_softmax_rnn.data.corpus import load_corpus, pack_texts
 from hf_softmax_rnn.default_model import resolve_model
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.flags import add_dataclass_arguments, option
-from hf_softmax_rnn.utils import DEVICE_HELP, check_at_least, resolve_device
+from hf_softmax_rnn.utils import DEVICE_HELP, check_at_least, check_distinct, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def _check_args(args) -> None:
         raise UserInputError(
             f"--truncation-orders={args.truncation_orders} is not allowed; expected ints from 0 to {MAX_TAYLOR_ORDER}"
         )
+    check_distinct("--truncation-orders", args.truncation_orders, "its perplexity would be measured again")
 
 
 def run(args) -> str:

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from datasets import Dataset, DatasetDict
 
+from hf_softmax_rnn.utils import device_memory_bytes
+
 IGNORE_INDEX = -100
 _SPLIT_STREAMS = {"train": 0, "test": 1}
 
@@ -99,6 +101,25 @@ def _generate(config: MQARConfig, rng: np.random.Generator, n: int) -> tuple[np.
     return input_ids, labels
 
 
+#: Bytes the generator holds per token of an example at least: its input id and its label, int64 each.
+EXAMPLE_TOKEN_BYTES = 2 * 8
+
+
+def check_examples_fit(num_examples: int, config: MQARConfig, name: str = "num_examples") -> None:
+    """`num_examples` sequences of `config.seq_len` tokens, generated at once, fit in the machine's memory (at
+    `EXAMPLE_TOKEN_BYTES` a token), else a ValueError naming `name`, the bytes and the most that would fit."""
+    per_example = EXAMPLE_TOKEN_BYTES * config.seq_len
+    memory = device_memory_bytes("cpu")
+    if memory is not None and num_examples * per_example > memory:
+        fitting = memory // per_example
+        longest = memory // EXAMPLE_TOKEN_BYTES
+        allowed = f"{name} <= {fitting:,} at this seq_len" if fitting else f"seq_len <= {longest:,}"
+        raise ValueError(
+            f"{name}={num_examples:,} sequences of seq_len={config.seq_len:,} tokens are generated at once, at least "
+            f"{num_examples * per_example:,} bytes, more than the machine's {memory:,}; expected {allowed}"
+        )
+
+
 def generate_mqar(
     num_examples: int, config: MQARConfig | None = None, *, seed: int | np.random.SeedSequence = 0
 ) -> Dataset:
@@ -106,6 +127,7 @@ def generate_mqar(
     if num_examples < 1:
         raise ValueError(f"num_examples={num_examples} is not allowed; expected an int >= 1")
     config = MQARConfig() if config is None else config
+    check_examples_fit(num_examples, config)
     input_ids, labels = _generate(config, np.random.default_rng(seed), num_examples)
     dataset = Dataset.from_dict({"input_ids": input_ids, "labels": labels})
     dataset.info.description = f"MQAR {asdict(config)}"

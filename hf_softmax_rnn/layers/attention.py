@@ -278,6 +278,13 @@ class SoftmaxRNNAttentionMixin:
                 "and a key/value cache has no place for the convolution's last inputs; expected short_conv=None or "
                 "a smaller state"
             )
+        if spec.kept is not None and not self.uses_recurrent_state:
+            raise ValueError(
+                f"AttentionSpec.kept={spec.kept} is not allowed with {spec.describe()} at head_dim={head_dim}: its "
+                f"state ({spec.state_bytes(head_dim):,} bytes a KV head) is too large to decode from, and a key/value "
+                "cache cannot decode kept positions (a key is ranked by the queries of its window, which a decoding "
+                "step does not hold); expected kept=None or a smaller state"
+            )
         self.rnn_params = RNNParams(spec, num_heads, num_kv_heads, head_dim, hidden_size)
         self.attention_transfer = False
         self.teacher_forcing = True

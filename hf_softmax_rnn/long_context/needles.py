@@ -41,7 +41,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.passkey import greedy_answer
 from hf_softmax_rnn.long_context.positions import check_count
-from hf_softmax_rnn.utils import check_distinct
+from hf_softmax_rnn.utils import check_distinct, device_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +230,24 @@ def check_needle_settings(
     for length in lengths:
         check_count("needle prompt length", length)
         check_within_positions(model, length, "needle prompt length", past_max_positions=past_max_positions)
+    _check_prompts_fit(prompts, len(variants) * len(templates) * len(fillers), lengths)
+
+
+#: Bytes a built prompt holds per token at least: a pointer in its list of ids.
+PROMPT_TOKEN_BYTES = 8
+
+
+def _check_prompts_fit(prompts: int, cells_per_length: int, lengths: Sequence[int]) -> None:
+    """The prompts of every cell, all built before the first is answered, fit in the machine's memory (at
+    `PROMPT_TOKEN_BYTES` a token), else an error naming `prompts` and the most that would fit."""
+    per_prompt = PROMPT_TOKEN_BYTES * cells_per_length * sum(lengths)
+    memory = device_memory_bytes("cpu")
+    if memory is not None and prompts * per_prompt > memory:
+        raise UserInputError(
+            f"prompts={prompts:,} is not allowed: the {cells_per_length * len(lengths)} cells' prompts are all built "
+            f"before the first is answered, at least {prompts * per_prompt:,} bytes, more than the machine's "
+            f"{memory:,}; expected prompts <= {memory // per_prompt:,}"
+        )
 
 
 @torch.inference_mode()

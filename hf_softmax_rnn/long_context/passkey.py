@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.evaluation import check_within_positions
 from hf_softmax_rnn.long_context.positions import check_count
+from hf_softmax_rnn.utils import check_distinct
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def check_passkey_arguments(
     lengths: Sequence[int], depths: Sequence[float], trials: int, max_new_tokens: int, seed: int
 ) -> None:
     """Refuse what no model can take: lengths that are not ints >= 1, depths outside [0, 1], a count below 1,
-    a seed that is not an int >= 0 (`random.Random` would read -1 as 1)."""
+    a seed that is not an int >= 0 (`random.Random` would read -1 as 1), and a length or depth named twice."""
     check_count("trials", trials)
     check_count("max_new_tokens", max_new_tokens)
     check_count("seed", seed, minimum=0)
@@ -52,6 +53,8 @@ def check_passkey_arguments(
     for depth in depths:
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
             raise UserInputError(f"passkey depth={depth!r} is not allowed; expected a number in [0, 1]")
+    for name, values in (("lengths", lengths), ("depths", depths)):
+        check_distinct(f"passkey {name}={list(values)!r}", values, "its prompts would be asked and counted twice")
 
 
 def check_passkey_settings(
@@ -162,10 +165,13 @@ def passkey_retrieval(
     was_training = model.training
     model.eval()
     results, answers = {}, []
-    cases = [(length, depth, trial) for length in lengths for depth in depths for trial in range(trials)]
+    # (made as they are asked, not listed, nor given to itertools.product, which lists range(trials): trials=10**12
+    # would not fit)
+    cases = ((length, depth, trial) for length in lengths for depth in depths for trial in range(trials))
+    total = len(lengths) * len(depths) * trials
     start = {length: None for length in lengths}
     try:
-        for length, depth, _ in tqdm(cases, desc="Passkey", unit="prompt", disable=not progress):
+        for length, depth, _ in tqdm(cases, desc="Passkey", unit="prompt", total=total, disable=not progress):
             start[length] = start[length] or time.perf_counter()
             key = rng.randrange(10000, 100000)
             prompt_tokens = length - max_new_tokens

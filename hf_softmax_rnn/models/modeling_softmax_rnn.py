@@ -113,6 +113,7 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
     (`training_without_cache`)."""
     inputs = {**dict(zip(model._forward_argument_names, args, strict=False)), **kwargs}
     model._refuse_attention_weights(inputs.get("output_attentions"))
+    check_token_shape(inputs, model.config.hidden_size)
     check_token_ids(inputs.get("input_ids"), model.config.vocab_size)
     check_labels(inputs.get("labels"), inputs, model.config.vocab_size)
     attention_mask = inputs.get("attention_mask")
@@ -122,7 +123,6 @@ def _check_inputs_hook(model, args, kwargs) -> tuple[tuple, dict] | None:
         tokens = inputs.get("inputs_embeds") if tokens is None else tokens
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             check_mask_shape(attention_mask, tokens.shape[0], tokens.shape[1])
-    check_some_tokens(inputs)
     check_positions(inputs.get("position_ids"), attention_mask)
     return training_without_cache(model, inputs, args, kwargs)
 
@@ -141,12 +141,20 @@ def training_without_cache(model, inputs: dict, args: tuple, kwargs: dict) -> tu
     return args, {**kwargs, "use_cache": False}
 
 
-def check_some_tokens(inputs: dict) -> None:
-    """A forward reads at least one new token per sequence: `input_ids` (or `inputs_embeds`) with 0 positions
-    raises, naming its shape (the layers would fail reshaping it)."""
-    for name in ("input_ids", "inputs_embeds"):
+def check_token_shape(inputs: dict, hidden_size: int) -> None:
+    """`input_ids` are `[B, L]` and `inputs_embeds` `[B, L, hidden_size]`, with L >= 1: another shape raises,
+    naming it (the layers would fail reshaping it, deep inside)."""
+    for name, shape in (("input_ids", ["B", "L"]), ("inputs_embeds", ["B", "L", hidden_size])):
         tokens = inputs.get(name)
-        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 0:
+        if not isinstance(tokens, torch.Tensor):
+            continue
+        if tokens.dim() != len(shape) or (len(shape) == 3 and tokens.shape[-1] != hidden_size):
+            expected = ", ".join(map(str, shape))
+            raise ValueError(
+                f"{name} has shape {list(tokens.shape)}; expected [{expected}], one row per sequence ({name}[None] "
+                "for a single one)"
+            )
+        if tokens.shape[1] == 0:
             raise ValueError(
                 f"{name} has shape {list(tokens.shape)}: no token to read; expected at least one position per sequence"
             )

@@ -44,6 +44,14 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     return _EluPlusOne.apply(x)
 
 
+def row_shifted_elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """elu(x) + 1 of each row `[..., D]` divided by e^m, m = min(max_d x_d, 0) (detached): the row itself where
+    a coordinate is >= 0, else e^(x - max_d x_d), whose largest feature is 1. A query's features e^(q_d) then
+    never underflow with the keys' (q_d + k_d below about -104 in float32: every product 0, the output 0 / 0);
+    for the softmax normaliser only, which divides the factor out."""
+    return elu_plus_one(x - x.detach().amax(-1, keepdim=True).clamp_max(0.0))
+
+
 #: name -> phi of the elementwise maps.
 ELEMENTWISE_MAPS: dict[str, ElementwiseFn] = {
     "identity": lambda x: x.clone(),
@@ -53,17 +61,21 @@ ELEMENTWISE_MAPS: dict[str, ElementwiseFn] = {
 
 
 class ElementwiseKernel(FeatureKernel):
-    """phi applied elementwise (identity, elu, relu); the scale multiplies phi(q)."""
+    """phi applied elementwise (identity, elu, relu); the scale multiplies phi(q). `query_function`: phi(q) up
+    to a positive factor per query, where the normaliser divides it out (None: phi)."""
 
-    def __init__(self, name: str, scale: float, clamp: float | None = None) -> None:
+    def __init__(
+        self, name: str, scale: float, clamp: float | None = None, query_function: ElementwiseFn | None = None
+    ) -> None:
         super().__init__(scale, clamp)
         self.function = ELEMENTWISE_MAPS[name]
+        self.query_function = query_function or self.function
 
     def query_features(self, q: torch.Tensor) -> torch.Tensor:
-        return self.function(q) * self.scale
+        return self.query_function(q) * self.scale
 
     def query_features_and_factor(self, q: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return self.function(q), self.scale
+        return self.query_function(q), self.scale
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         return self.function(k)
@@ -159,4 +171,13 @@ def build_kernel(spec: AttentionSpec, scale: float, params: AttentionParams) -> 
                 "feature_map='hedgehog' needs params.hedgehog_q [H, D, F] and params.hedgehog_k [Hkv, D, F]"
             )
         return HedgehogKernel(scale, params.hedgehog_q, params.hedgehog_k, clamp)
+    if name == "elu" and _divides_out_query_factor(spec):
+        return ElementwiseKernel(name, scale, clamp, query_function=row_shifted_elu_plus_one)
     return ElementwiseKernel(name, scale, clamp)
+
+
+def _divides_out_query_factor(spec: AttentionSpec) -> bool:
+    """Whether a positive factor per query on phi(q) leaves the output as it is: the softmax normaliser divides
+    the numerator by the denominator, both linear in phi(q) (with additive_mass too: the recall reads phi(q)'s
+    direction), unless a window adds exact scores in their own units or a clamp caps the scores."""
+    return spec.normalizer == "softmax" and spec.window is None and spec.score_clamp is None

@@ -41,7 +41,7 @@ from hf_softmax_rnn.training.stage_settings import (
     StateSettings,
     TransferSettings,
 )
-from hf_softmax_rnn.training.validation import check_texts, field_default, flag_of, refuse_unused
+from hf_softmax_rnn.training.validation import check_field_types, check_texts, field_default, flag_of, refuse_unused
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         """Fill the flags left unset (the attention of a converted --model or the default one, then the attention's
         recipe, then the flags derived from others), then check the groups together."""
+        check_field_types(self)
         check_texts(self)
         self._choose(self._conversion_values())
         self._choose(recipe_defaults(self.model.attention_spec) | {"state_block_size": STATE_BLOCK_SIZE})

@@ -29,6 +29,7 @@ from hf_softmax_rnn.training.validation import (
     check_at_least,
     check_block_size,
     check_choice,
+    check_field_types,
     check_texts,
     refuse_unused,
 )
@@ -90,6 +91,7 @@ class ModelSettings:
     attention_spec: AttentionSpec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         check_choice("attention_mode", self.attention_mode, NO_CACHE_MODES)
         if self.extend_context is not None:
@@ -167,6 +169,7 @@ class DataSettings:
     dataset_sources: list[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         for name in ("batch_size", "grad_accum", "eval_batch_size", "generated_texts", "generated_tokens"):
             check_at_least(name, getattr(self, name))

@@ -14,7 +14,7 @@ from hf_softmax_rnn.errors import UserInputError
 from hf_softmax_rnn.flags import option
 from hf_softmax_rnn.long_context.positions import buckets_from_edges
 from hf_softmax_rnn.long_context.report import LongContextSettings
-from hf_softmax_rnn.training.validation import check_at_least, check_texts, refuse_unused
+from hf_softmax_rnn.training.validation import check_at_least, check_field_types, check_texts, refuse_unused
 
 _OUTPUT = "evaluation, checkpoints and publishing"
 _LONG = "long-context evaluation (after training, of the unconverted and the trained model)"
@@ -42,6 +42,7 @@ class OutputSettings:
     progress: bool = option(True, "no progress bars", flag="--no-progress", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         for name in ("eval_every", "save_every", "save_total_limit"):
             check_at_least(name, getattr(self, name))
@@ -85,6 +86,7 @@ class LongEvalSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         names = tuple(name for name in self.__dataclass_fields__ if name.startswith("long_eval_"))
         refuse_unused(self, names, acts_with="--long-eval", present=self.long_eval)
@@ -117,6 +119,7 @@ class HubSettings:
     hub_private: bool = option(False, "create the --push-to-hub repo as private", group=_OUTPUT)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         if self.push_to_hub is None:
             if self.hub_private:

@@ -17,6 +17,7 @@ from hf_softmax_rnn.training.validation import (
     check_at_least,
     check_block_size,
     check_choice,
+    check_field_types,
     check_positive,
     check_texts,
     flag_of,
@@ -62,6 +63,7 @@ class TransferSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         if self.transfer_steps is not None:
             check_at_least("transfer_steps", self.transfer_steps, minimum=0)
@@ -111,6 +113,7 @@ class FinetuneSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         if self.finetune_steps is not None:
             check_at_least("finetune_steps", self.finetune_steps, minimum=0)
@@ -174,6 +177,7 @@ class StateSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         if self.state_steps is not None:
             check_at_least("state_steps", self.state_steps, minimum=0)
@@ -200,6 +204,7 @@ class OptimSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_texts(self)
         check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)

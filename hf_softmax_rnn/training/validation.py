@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any
 
 from hf_softmax_rnn.errors import UserInputError
@@ -93,3 +95,45 @@ def refuse_unused(
         raise UserInputError(
             f"{flag} has no effect without {acts_with}; drop {flag.split()[0]}, or add what it acts on"
         )
+
+
+#: Declared type -> (the types a value of it may have, in words); bool is refused where an int or a float is declared.
+_CHECKED_TYPES: dict[type, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an int"),
+    float: ((int, float), "a number"),
+    bool: ((bool,), "True or False"),
+}
+_LIST_TYPES = {int: ((int,), "a list of ints"), str: ((str,), "a list of strings")}
+
+
+def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
+    return isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+
+
+def check_field_types(settings: Any) -> None:
+    """Each number, switch and list flag of `settings` (a dataclass of `option` fields) holds its declared type:
+    from Python, a block size of 4.5, a batch size of "4" or layers=3 would fail deep inside the run, or be
+    truncated without a word (the command line parses them). Text fields are not checked: a `Path` or an
+    `AttentionSpec` stands for a path or a recipe there."""
+    hints = typing.get_type_hints(type(settings))
+    for field in dataclasses.fields(settings):
+        if "help" not in field.metadata:
+            continue
+        annotation, value, optional = hints[field.name], getattr(settings, field.name), False
+        if isinstance(annotation, types.UnionType):
+            members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+            optional = len(members) < len(typing.get_args(annotation))
+            annotation = members[0] if len(members) == 1 else None
+        if value is None and optional:
+            continue
+        if typing.get_origin(annotation) is list and typing.get_args(annotation)[0] in _LIST_TYPES:
+            allowed, words = _LIST_TYPES[typing.get_args(annotation)[0]]
+            fits = isinstance(value, (list, tuple)) and all(_fits(item, allowed) for item in value)
+        elif annotation in _CHECKED_TYPES:
+            allowed, words = _CHECKED_TYPES[annotation]
+            fits = _fits(value, allowed)
+        else:
+            continue
+        if not fits:
+            none = "None or " if optional else ""
+            raise UserInputError(f"{field.name}={value!r} has type {type(value).__name__}; expected {none}{words}")

@@ -61,13 +61,26 @@ BAD_ARGUMENTS = {
         ["--variants", "softmax", "--seeds", str(2**32)],
         r"--seeds 4294967296 has seed 4294967296, which is not allowed; expected ints from 0 to 2\*\*32 - 1",
     ),
+    "repeated-variant": (
+        ["--variants", "softmax", "l2", "softmax"],
+        r"--variants names 'softmax' more than once \(its runs would be trained and reported again\)",
+    ),
+    "more-test-blocks-than-held-out": (
+        ["--variants", "softmax", "--test-blocks", str(10**12)],
+        r"--test-blocks=1000000000000 is more than the \d+ held-out blocks of 32 bytes; expected at most \d+",
+    ),
+    "more-eval-blocks-than-held-out": (
+        ["--variants", "softmax", "--eval-blocks", str(10**12)],
+        r"--eval-blocks=1000000000000 is more than the \d+ held-out blocks of 32 bytes",
+    ),
 }
 
 
 @pytest.mark.parametrize("argv,message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
 def test_cli_rejects_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
     assert main(["ablate", "--quick", *argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
-    error = capsys.readouterr().err
+    # the last line: a run that read the corpus has written its progress bars first
+    error = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.match(r"hf-softmax-rnn ablate: error: " + message, error), error
     assert not (tmp_path / "out").exists()
 

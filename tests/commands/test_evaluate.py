@@ -182,6 +182,7 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         (["--texts", "blank"], "hold no text"),
         (["--texts", "binary"], "is not UTF-8 text"),
         (["--no-finite-state"], "LlamaForCausalLM has no converted layer with a finite state"),
+        (["--passkey", "300", "300"], "passkey lengths=[300, 300] names 300 more than once"),
     ],
     ids=[
         "bucket-beyond-positions",
@@ -203,6 +204,7 @@ def test_original_is_read_from_results_json_else_the_default(saved, tmp_path):
         "blank-texts",
         "binary-texts",
         "no-finite-state-of-an-unconverted-model",
+        "passkey-length-twice",
     ],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, flags, message):

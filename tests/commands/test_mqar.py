@@ -84,6 +84,15 @@ BAD_ARGUMENTS = {
         [*TINY, "--seed", str(2**32)],
         r"--seed=4294967296 is not allowed; expected an int from 0 to 2\*\*32 - 1",
     ),
+    "train-beyond-memory": (
+        [*TINY, "--num-train", str(10**15)],
+        r"--num-train=1,000,000,000,000,000 sequences of seq_len=16 tokens are generated at once, at least "
+        r"256,000,000,000,000,000 bytes, more than the machine's [\d,]+; expected --num-train <= [\d,]+ at this",
+    ),
+    "sequence-beyond-memory": (
+        [*TINY, "--seq-len", str(10**13)],
+        r"--num-train=16 sequences of seq_len=10,000,000,000,000 tokens .*; expected seq_len <= [\d,]+ ",
+    ),
 }
 
 

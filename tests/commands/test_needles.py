@@ -57,8 +57,10 @@ def test_tables_of_a_model_beside_its_original(saved, tmp_path, capsys, finite_s
         (["--lengths", "100000"], "needle prompt length=100000"),
         (["--prompts", "0"], "prompts=0"),
         (["--model", "no/such/folder/here"], "no/such/folder/here"),
+        (["--prompts", str(10**15)], "prompts=1,000,000,000,000,000 is not allowed: the 6 cells' prompts are all"),
+        (["--texts", "books/"], "--texts 'books/' sets the texts of the 'shakespeare' filler, which --fillers noise"),
     ],
-    ids=["variant", "length", "prompts", "model"],
+    ids=["variant", "length", "prompts", "model", "prompts-beyond-memory", "texts-without-their-filler"],
 )
 def test_bad_input_is_one_line_with_status_2(saved, tmp_path, capsys, monkeypatch, argv, message):
     def no_loading(*args, **kwargs):

@@ -21,6 +21,10 @@ BAD_ARGUMENTS = {
         r"--truncation-orders=\[2000\] is not allowed; expected ints from 0 to 1024",
     ),
     "unknown-device": (["--device", "tpu9"], r"--device='tpu9' is not allowed"),
+    "truncation-order-twice": (
+        ["--truncation-orders", "2", "4", "2"],
+        r"--truncation-orders names 2 more than once \(its perplexity would be measured again\)",
+    ),
 }
 
 

@@ -67,3 +67,9 @@ def test_train_and_test_share_no_sequence():
 def test_bad_config_is_rejected(fields, match):
     with pytest.raises(ValueError, match=match):
         MQARConfig(**fields)
+
+
+def test_more_sequences_than_memory_holds_are_refused_before_any_is_drawn():
+    """10**15 sequences of 64 tokens: numpy raised its _ArrayMemoryError (a traceback) allocating them."""
+    with pytest.raises(ValueError, match=r"^num_examples=1,000,000,000,000,000 sequences of seq_len=64 tokens are gen"):
+        generate_mqar(10**15, MQARConfig())

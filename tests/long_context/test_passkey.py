@@ -2,6 +2,7 @@
 right or wrong by rule, a real generate path, and bad input refused before any prompt is answered."""
 
 import re
+import tracemalloc
 
 import pytest
 import torch
@@ -114,6 +115,8 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         ({"lengths": ()}, r"lengths=\(\) and depths"),
         ({"seed": -1}, r"seed=-1 is not allowed; expected an int >= 0"),
         ({"seed": 1.5}, r"seed=1.5 is not allowed"),
+        ({"lengths": (300, 400, 300)}, r"passkey lengths=\[300, 400, 300\] names 300 more than once"),
+        ({"depths": (0.5, 0.2, 0.5)}, r"passkey depths=\[0.5, 0.2, 0.5\] names 0.5 more than once .*counted twice"),
     ],
     ids=[
         "beyond-positions",
@@ -124,6 +127,8 @@ def test_a_converted_model_answers_as_greedy_decoding_without_a_cache(tok, monke
         "no-lengths",
         "negative-seed",
         "float-seed",
+        "length-twice",
+        "depth-twice",
     ],
 )
 def test_bad_settings_are_refused_before_any_answer(kwargs, message, tok):
@@ -159,3 +164,24 @@ def test_too_little_filler_is_refused(tok):
     model = StubModel(tok, lambda f: pytest.fail("a prompt was answered"))
     with pytest.raises(UserInputError, match="the filler texts hold 2[0-9]{2} tokens, fewer than .* 400"):
         passkey_retrieval(model, tok, TEXTS[:1], lengths=(400,), progress=False)
+
+
+class _FirstAnswer(Exception):
+    """Raised by a stub model to stop a run at its first answer."""
+
+
+def test_a_run_of_many_trials_starts_answering_without_listing_them_first(tok):
+    """trials=10**12 (a typo of 10**2) ran out of memory listing every (length, depth, trial) before the first
+    answer, with a MemoryError's traceback; 10**6 of them took 100 MB before the first answer (under 40 kB now)."""
+
+    def stop(fraction):
+        raise _FirstAnswer
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(_FirstAnswer):
+            passkey_retrieval(StubModel(tok, stop), tok, FILLER, lengths=(300,), depths=(0.5,), trials=10**6)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak

@@ -285,6 +285,26 @@ def test_a_forward_without_tokens_is_refused_naming_the_input(family, name):
         model(**{name: inputs})
 
 
+@pytest.mark.parametrize(
+    ("name", "shape", "expected"),
+    [
+        ("input_ids", (10,), r"\[B, L\]"),
+        ("input_ids", (), r"\[B, L\]"),
+        ("input_ids", (1, 2, 10), r"\[B, L\]"),
+        ("inputs_embeds", (10, 32), r"\[B, L, 32\]"),
+        ("inputs_embeds", (2, 10, 16), r"\[B, L, 32\]"),
+    ],
+    ids=["ids-1d", "ids-0d", "ids-3d", "embeds-2d", "embeds-narrow"],
+)
+def test_a_forward_of_another_shape_than_a_batch_is_refused_naming_it(family, name, shape, expected):
+    """A single sequence's ids (1-D) would fail deep inside the layers (a RuntimeError of sizes)."""
+    model = tiny_model(family, "linear_elu")
+    inputs = torch.ones(shape, dtype=torch.long) if name == "input_ids" else torch.zeros(shape)
+    shown = ", ".join(map(str, shape))
+    with pytest.raises(ValueError, match=rf"^{name} has shape \[{shown}\]; expected {expected}, one row per sequence"):
+        model(**{name: inputs})
+
+
 def test_forward_refuses_a_mask_with_fewer_columns_than_tokens(family):
     model = tiny_model(family, "linear_elu")
     ids, mask = left_padded_batch()

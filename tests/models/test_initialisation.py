@@ -95,3 +95,18 @@ def test_a_short_convolution_beside_a_state_too_large_to_decode_from_is_refused(
     spec = AttentionSpec(kind="recurrent_softmax", taylor_order=30, normalizer="l2", short_conv=2)
     with pytest.raises(ValueError, match=r"short_conv=2 is not allowed with .* too large to decode from"):
         convert(tiny_source(family), spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(kind="recurrent_softmax", taylor_order=30, normalizer="l2", window=3, kept=2),
+        AttentionSpec(kind="linear", feature_map="elu", window=4, kept=2**40),
+    ],
+    ids=["taylor-30", "kept-2**40"],
+)
+def test_kept_positions_beside_a_state_too_large_to_decode_from_are_refused(family, spec):
+    """A KV cache cannot decode them: the model converted, scored its prompt, then generate raised 'mode=parallel
+    needs a query at every key position' at the first new token."""
+    with pytest.raises(ValueError, match=rf"kept={spec.kept} is not allowed with .* too large to decode from"):
+        convert(tiny_source(family), spec)

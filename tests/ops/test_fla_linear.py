@@ -181,8 +181,11 @@ def test_bfloat16_through_fla_keeps_little_beside_fla_and_matches_the_pytorch_fo
 #: What the elu+1 map writes per token beyond `F.elu(x) + 1` (which lost e^x below about -17 in float32): two
 #: passes more over the float32 features of the 9 + 3 heads of 64 of the queries and keys in the forward
 #: (e^min(x, 0), then its max with x + 1) and one in the backward (min(y, 1)); three operations more for each.
-ELU_PLUS_ONE_BYTES = 3 * (9 + 3) * 64 * 4
-ELU_PLUS_ONE_OPERATIONS = 3 * 2
+#: Its row shift adds three operations and a pass over the float32 query features, 9 heads of 64 (the max of each
+#: row, its min with 0, the row less it: `ops.feature_maps.row_shifted_elu_plus_one`, without which a query below
+#: 0 everywhere loses its products with the keys, e^(q_d + k_d), below about -104 in float32).
+ELU_PLUS_ONE_BYTES = 3 * (9 + 3) * 64 * 4 + (9 * 64 + 2 * 9) * 4
+ELU_PLUS_ONE_OPERATIONS = 3 * 2 + 3
 
 
 def test_bfloat16_through_fla_writes_little_beside_fla(monkeypatch):

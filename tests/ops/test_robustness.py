@@ -117,3 +117,28 @@ def test_elu_attention_of_very_negative_queries_and_keys_matches_float64(mode, d
     want = (weights @ v64.repeat_interleave(groups, 1)) / weights.sum(-1, keepdim=True)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=0, atol={torch.float32: 1e-5}.get(dtype, 2e-2))
+
+
+@pytest.mark.parametrize(
+    "spec", ["linear_elu", AttentionSpec(kind="linear", feature_map="elu", decay=True)], ids=["linear_elu", "elu_decay"]
+)
+@pytest.mark.parametrize("shifts", [(-52, -52), (-60, -60), (-200, -5), (-100, -20)], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_elu_attention_of_queries_and_keys_whose_products_underflow_matches_float64(mode, shifts, spec):
+    """Every coordinate of q + k below about -104: each product e^(q_d) e^(k_d) is 0 in float32, the weights
+    of the keys 0 / 0. The output is their average weighted by sum_d e^(q_d + k_d) (with decay, times the
+    decays between them), computed here from its definition in log space in float64."""
+    spec = AttentionSpec.coerce(spec)
+    q, k, v, gate_logits = make_inputs(length=7)
+    q, k = q + shifts[0], k + shifts[1]
+    gates = {"decay": torch.nn.functional.logsigmoid(gate_logits["decay"])} if spec.decay else {}
+    got, _ = attention(q.float(), k.float(), v.float(), spec, mode=mode, gates={n: g.float() for n, g in gates.items()})
+    groups = q.shape[1] // k.shape[1]
+    log_weights = torch.logsumexp(q[..., :, None, :] + k.repeat_interleave(groups, 1)[..., None, :, :], dim=-1)
+    if spec.decay:
+        decayed = gates["decay"].cumsum(-1).repeat_interleave(groups, 1)
+        log_weights = log_weights + decayed[..., :, None] - decayed[..., None, :]
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    weights = torch.softmax(log_weights.masked_fill(~causal, -math.inf), dim=-1)
+    want = weights @ v.repeat_interleave(groups, 1)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)

@@ -335,6 +335,28 @@ BAD_SETTINGS = {
 }
 
 
+WRONG_TYPES = {
+    "float-block-size": (dict(block_size=4.5), r"^block_size=4.5 has type float; expected None or an int$"),
+    "text-batch-size": (dict(batch_size="4"), r"^batch_size='4' has type str; expected an int$"),
+    "bool-seed": (dict(seed=True), r"^seed=True has type bool; expected an int$"),
+    "text-lr": (dict(lr="1e-3"), r"^lr='1e-3' has type str; expected None or a number$"),
+    "int-layers": (dict(layers=3), r"^layers=3 has type int; expected None or a list of ints$"),
+    "float-in-layers": (dict(layers=[0, 1.0]), r"^layers=\[0, 1.0\] has type list; expected None or a list of ints$"),
+    "none-warmup": (dict(warmup_steps=None), r"^warmup_steps=None has type NoneType; expected an int$"),
+    "list-retrieval-layers": (dict(retrieval_layers=[0]), r"^retrieval_layers=\[0\] has type list; expected None"),
+    "text-lora-targets": (dict(lora_targets="q_proj"), r"^lora_targets='q_proj' has type str; expected None or a list"),
+    "text-switch": (dict(progress="no"), r"^progress='no' has type str; expected True or False$"),
+}
+
+
+@pytest.mark.parametrize("settings,message", WRONG_TYPES.values(), ids=WRONG_TYPES.keys())
+def test_settings_of_another_type_than_declared_are_refused_naming_them(tmp_path, settings, message):
+    """From Python (the command line parses them): a float block size, a string of digits or one layer index
+    in place of a list failed deep inside the run (a TypeError of '>=' between str and int), or went through."""
+    with pytest.raises(UserInputError, match=message):
+        FinetuneConfig.from_flags(**dict(output_dir=str(tmp_path)) | settings)
+
+
 @pytest.mark.parametrize("settings,message", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
 def test_bad_settings_are_refused(tmp_path, settings, message):
     with pytest.raises(UserInputError, match=message):
