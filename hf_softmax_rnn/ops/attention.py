@@ -387,14 +387,11 @@ def _finite_state_form(
     caller wants the new state; `in_place`: the state is updated in place (decoding without autograd);
     `softcap` caps a hybrid's exact scores."""
     if _in_segments(q, k, v, mode):
-
-        def segment(q, k, v, key_mask, state, log_decay, strength, keep_state):
-            return _finite_state_form(
-                q, k, v, key_mask, state, spec, mode, kernel, softmax_scale, params, log_decay, strength, dtype,
-                io_dtype, keep_state=keep_state, in_place=False, softcap=softcap,
-            )  # fmt: skip
-
-        return _in_segments_of(segment, q, k, v, key_mask, state, log_decay, strength, keep_state)
+        form = functools.partial(
+            _finite_state_form, spec=spec, mode=mode, kernel=kernel, softmax_scale=softmax_scale, params=params,
+            dtype=dtype, io_dtype=io_dtype, in_place=False, softcap=softcap,
+        )  # fmt: skip
+        return _in_segments_of(form, q, k, v, key_mask, state, log_decay, strength, keep_state)
     batch, heads, length, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     input_qkv = (q, k, v)
@@ -449,10 +446,10 @@ def _finite_state_form(
 
 def _in_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str) -> bool:
     """Whether a chunked call runs in segments of `PREFILL_SEGMENT` positions: on a CPU, without autograd,
-    when longer. Each segment then works in the CPU's caches, and the kept selection's counts, which grow
-    with the square of a call's length (`ops.kept._exit_steps`), with the square of the segment's: the
-    time grows linearly with the length. The result is the whole call's to round-off (a state handed
-    across calls continues it exactly)."""
+    when longer. The kept selection's counts, which grow with the square of a call's length
+    (`ops.kept._exit_steps`), then grow with the square of the segment's, and each segment's blocks are a
+    segment's size: the time grows linearly with the length. The result is the whole call's to round-off
+    (a state handed across calls continues it exactly)."""
     return (
         mode == "chunked"
         and q.shape[-2] > PREFILL_SEGMENT
@@ -464,7 +461,7 @@ def _in_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str) -
 def _in_segments_of(
     form: Callable, q, k, v, key_mask, state, log_decay, strength, keep_state: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecurrentState]:
-    """`form` (`_finite_state_form` of the call's other arguments) over segments of `PREFILL_SEGMENT`
+    """`form` (`_finite_state_form` with the call's other arguments bound) over segments of `PREFILL_SEGMENT`
     positions along L, each from the state the one before left; their numerators `[B, Hkv, G, L, Dv]`,
     denominators `[B, Hkv, G, L]` and visible counts `[B, 1, L]` joined along L, and the last state."""
     numerators, denominators, visible = [], [], []
@@ -472,14 +469,14 @@ def _in_segments_of(
     for start in range(0, length, PREFILL_SEGMENT):
         span = slice(start, start + PREFILL_SEGMENT)
         numerator, denominator, seen, state = form(
-            q[..., span, :],
-            k[..., span, :],
-            v[..., span, :],
-            key_mask[:, span],
-            state,
-            None if log_decay is None else log_decay[..., span],
-            None if strength is None else strength[..., span],
-            keep_state or start + PREFILL_SEGMENT < length,
+            q=q[..., span, :],
+            k=k[..., span, :],
+            v=v[..., span, :],
+            key_mask=key_mask[:, span],
+            state=state,
+            log_decay=None if log_decay is None else log_decay[..., span],
+            strength=None if strength is None else strength[..., span],
+            keep_state=keep_state or start + PREFILL_SEGMENT < length,
         )
         numerators.append(numerator)
         denominators.append(denominator)
