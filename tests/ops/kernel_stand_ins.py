@@ -55,10 +55,15 @@ class WrittenBytes(TorchDispatchMode):
         return out
 
 
-def output_bytes(out) -> int:
-    """Bytes of the tensors an operation returned (one tensor, or a tuple or list of them)."""
+def output_sizes(out) -> list[int]:
+    """Bytes of each tensor an operation returned (one tensor, or a tuple or list of them)."""
     outputs = out if isinstance(out, (tuple, list)) else [out]
-    return sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
+    return [x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor)]
+
+
+def output_bytes(out) -> int:
+    """Bytes of the tensors an operation returned, together."""
+    return sum(output_sizes(out))
 
 
 class AllocatedBytes(TorchDispatchMode):
@@ -85,9 +90,7 @@ class LargestTensor(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not func.is_view and not func._schema.is_mutable and func not in ALIASING_OPERATIONS:
-            outputs = out if isinstance(out, (tuple, list)) else [out]
-            sizes = [x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor)]
-            self.bytes = max([self.bytes, *sizes])
+            self.bytes = max([self.bytes, *output_sizes(out)])
         return out
 
 
