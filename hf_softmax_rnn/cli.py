@@ -75,14 +75,39 @@ def subcommand_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
     return parser, module
 
 
+def check_flags_given_once(parser: argparse.ArgumentParser, tokens: list[str]) -> None:
+    """Refuse a flag given more than once (argparse would keep the last and drop the others unseen), under
+    any of its spellings: `--flag value`, `--flag=value` or an abbreviation argparse accepts."""
+    options = parser._option_string_actions  # (argparse's own table of every spelling of every flag)
+    given: dict[str, list[str]] = {}
+    for token in tokens:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("-"):
+            continue
+        matches = [options[name]] if name in options else [a for o, a in options.items() if o.startswith(name)]
+        if len({id(action) for action in matches}) == 1 and matches[0].option_strings:
+            given.setdefault(max(matches[0].option_strings, key=len), []).append(token)
+    repeated = {flag: spellings for flag, spellings in given.items() if len(spellings) > 1}
+    if repeated:
+        flag, spellings = next(iter(repeated.items()))
+        raise UserInputError(
+            f"{flag} is given {len(spellings)} times ({', '.join(spellings)}); argparse would keep only the "
+            "last: give each flag once"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     known, _ = parser.parse_known_args(argv)
     sub, module = subcommand_parser(known.command)
     argv = sys.argv[1:] if argv is None else argv
-    args = sub.parse_args(argv[argv.index(known.command) + 1 :])
+    tokens = argv[argv.index(known.command) + 1 :]
+    args = sub.parse_args(tokens)
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_flags_given_once(sub, tokens)
         check_environment()
         check_output_folders(args)
         report = module.run(args)

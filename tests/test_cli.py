@@ -213,3 +213,44 @@ def test_a_bad_environment_setting_is_refused_before_any_work(monkeypatch, tmp_p
     assert error.count("\n") == 1
     assert f"hf-softmax-rnn {command}: error: HF_SOFTMAX_RNN_STATE_SEGMENT='2k' is not allowed; expected 0" in error
     assert not (tmp_path / "out").exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flags:
+    steps: int = option(1, "steps")
+    lengths: list[int] = option((8,), "lengths", nargs="+")
+    progress: bool = option(True, "show progress", flag="--no-progress")
+
+
+@pytest.fixture
+def flagged_command(fake_command):
+    """`fake` with the flags of `_Flags`; its run records the arguments it was given."""
+    fake_command.add_arguments = lambda parser: add_dataclass_arguments(parser, _Flags)
+    fake_command.seen = []
+    fake_command.run = lambda args: fake_command.seen.append(args) or "report"
+    return fake_command
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--steps", "2", "--steps", "3"], "--steps"),
+        (["--steps=2", "--steps", "3"], "--steps"),
+        (["--steps", "2", "--ste", "3"], "--steps"),
+        (["--lengths", "8", "16", "--lengths", "32"], "--lengths"),
+        (["--no-progress", "--no-progress"], "--no-progress"),
+    ],
+    ids=["twice", "with-equals", "abbreviated", "list", "switch"],
+)
+def test_a_flag_given_twice_is_refused_before_the_command_runs(flagged_command, capsys, argv, flag):
+    assert cli.main(["fake", *argv]) == 2
+    assert flagged_command.seen == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-softmax-rnn fake: error: {flag} is given 2 times (")
+    assert all(token.split("=")[0] in err for token in argv if token.startswith("-"))
+
+
+def test_flags_given_once_run_with_their_values(flagged_command):
+    assert cli.main(["fake", "--steps", "-2", "--lengths", "8", "16", "--no-progress"]) == 0
+    (args,) = flagged_command.seen
+    assert (args.steps, args.lengths, args.progress) == (-2, [8, 16], False)
