@@ -45,6 +45,26 @@ class SoftmaxRNNConfigMixin:
             }
         super().__setattr__(name, value)
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        """transformers' `from_dict` (what `from_pretrained` builds a config with), refusing a config of
+        another family: transformers would only warn, then build this class from another model's fields,
+        its own defaults (a 7B Llama's sizes) filling the gaps. This class's model_type and its source
+        family's (an unconverted checkpoint, loaded with exact softmax) are allowed."""
+        given = config_dict.get("model_type")
+        source = next(
+            base.model_type for base in cls.__mro__ if getattr(base, "model_type", cls.model_type) != cls.model_type
+        )
+        if given == source:  # (the instance then keeps this class's model_type, as a save writes it)
+            config_dict = {key: value for key, value in config_dict.items() if key != "model_type"}
+        elif given is not None and given != cls.model_type:
+            raise ValueError(
+                f"a config of model_type {given!r} cannot load as {cls.__name__}; expected model_type "
+                f"{cls.model_type!r} (or {source!r}, an unconverted checkpoint): AutoModelForCausalLM.from_pretrained "
+                "picks the class from the model_type"
+            )
+        return super().from_dict(config_dict, **kwargs)
+
     def _layer_index(self, key: Any) -> int:
         """A layer index from an int or its string form (JSON keys are strings)."""
         index = int(key) if isinstance(key, str) and key.isdigit() else key

@@ -4,7 +4,7 @@ import json
 
 import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from transformers import AutoConfig
+from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from hf_softmax_rnn import AttentionSpec, SoftmaxRNNGPT2Config, SoftmaxRNNLlamaConfig
 from hf_softmax_rnn.layers import RECURRENT_LAYER_TYPE
@@ -206,3 +206,31 @@ def test_gpt2_cross_attention_is_rejected():
         (ValueError, StrictDataclassClassValidationError), match="add_cross_attention=True is not supported"
     ):
         SoftmaxRNNGPT2Config(**GPT2, add_cross_attention=True)
+
+
+@pytest.mark.parametrize(
+    "saved, loading",
+    [("gpt2", SoftmaxRNNLlamaConfig), ("llama", SoftmaxRNNGPT2Config)],
+    ids=["gpt2-as-llama", "llama-as-gpt2"],
+)
+def test_a_config_of_another_family_is_refused_naming_both_model_types(tmp_path, saved, loading):
+    """transformers only warns and builds the class from another model's fields and its own defaults (a
+    converted GPT-2 loaded as Llama became a 7B model's allocation)."""
+    config_class, kwargs = CONFIGS[saved]
+    config_class(**kwargs, attention="linear_elu").save_pretrained(tmp_path)
+    given = json.loads((tmp_path / "config.json").read_text())["model_type"]
+    with pytest.raises(
+        ValueError,
+        match=rf"model_type '{given}' cannot load as {loading.__name__}; expected model_type '{loading.model_type}'",
+    ):
+        loading.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_an_unconverted_checkpoint_loads_with_exact_softmax_and_the_converted_model_type(tmp_path, name):
+    config_class, kwargs = CONFIGS[name]
+    {"llama": LlamaConfig, "gpt2": GPT2Config}[name](**kwargs).save_pretrained(tmp_path)
+    config = config_class.from_pretrained(tmp_path)
+    assert config.model_type == config_class.model_type
+    assert config.attention_spec(0) == AttentionSpec.from_preset("softmax")
+    assert config.num_hidden_layers == 3
