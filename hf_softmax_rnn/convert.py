@@ -176,6 +176,13 @@ def _layer_specs(
     return layer_specs
 
 
+def _converted_sliding_windows(config: PreTrainedConfig, layer_specs: Mapping[int, AttentionSpec]) -> dict[str, int]:
+    """`{layer index: W}` of the layers the source limits to their last W positions that are converted to a
+    finite-state spec (their attention-transfer teacher keeps the window)."""
+    window = getattr(config, "sliding_window", None)
+    return {str(i): window for i in sliding_window_layers(config) if layer_specs[i] != AttentionSpec(window=window)}
+
+
 def converted_layers(layers: Iterable[int], num_layers: int) -> list[int]:
     """`layers` checked: a non-empty list of distinct indices in 0..num_layers - 1."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
@@ -281,6 +288,7 @@ def convert(
     fields = {key: value for key, value in source.config.to_dict().items() if key not in _DROPPED_CONFIG_KEYS}
     if "sliding_window" in fields:
         fields["sliding_window"] = None  # the layers' specs hold their windows
+        fields["source_sliding_windows"] = _converted_sliding_windows(source.config, layer_specs) or None
     if declares(config_class, "rope_layer_types"):  # one RoPE per layer type (Gemma 3): each layer keeps its own
         fields["rope_layer_types"] = list(source.config.layer_types)
     config = config_class(

@@ -404,14 +404,16 @@ class SoftmaxRNNAttentionMixin:
 
     @torch.no_grad()
     def _teacher_output(self, query, key, value, attention_mask, teacher_qkv) -> torch.Tensor:
-        """Exact causal softmax `[B, H, L, D]` (scores capped as the source model caps them) on the layer's
-        q, k, v, or on those of the frozen teacher projections when they train."""
+        """Exact causal softmax `[B, H, L, D]` (scores capped as the source model caps them, over the source's
+        sliding window where it had one: `config.source_sliding_windows`) on the layer's q, k, v, or on those
+        of the frozen teacher projections when they train."""
         if self.has_frozen_teacher:
             if teacher_qkv is None:
                 raise ValueError("attention transfer with a frozen teacher needs `teacher_qkv`")
             query, key, value = teacher_qkv()
         key_mask = None if attention_mask is None else attention_mask[:, -key.shape[-2] :].bool()
-        return softmax_attention(query, key, value, key_mask, self.scaling, softcap=self._softcap())
+        window = (getattr(self.config, "source_sliding_windows", None) or {}).get(str(self.layer_idx))
+        return softmax_attention(query, key, value, key_mask, self.scaling, window, self._softcap())
 
     def _transfer_loss(
         self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor | None

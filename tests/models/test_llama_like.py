@@ -244,6 +244,36 @@ def test_sliding_window_layers_keep_their_window_in_a_softmax_conversion(name):
     assert_same_logits_and_generation(converted, source)
 
 
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_the_transfer_teacher_of_a_converted_sliding_layer_keeps_its_window(name, tmp_path):
+    """Every layer converted to a hybrid with a window of 2: teacher-forced, each layer passes on its teacher's
+    output, so the model computes the original's logits only if a sliding layer's teacher reads the source's
+    window of 4 (prompts of 10 and 6 tokens, left-padded), not every earlier position. The windows are saved."""
+    model_class, config, sliding = SLIDING[name]
+    torch.manual_seed(0)
+    source = model_class(copy.deepcopy(config)).eval()
+    converted = perturb_rnn_params(convert(source, AttentionSpec(kind="linear", feature_map="hedgehog", window=2)))
+    assert converted.config.source_sliding_windows == {str(i): 4 for i in sliding}
+    ids, mask = left_padded_batch()
+    set_attention_transfer(converted.eval(), True)
+    rows = mask.bool()
+    torch.testing.assert_close(
+        logits(converted, ids, mask)[rows], logits(source, ids, mask)[rows], atol=1e-5, rtol=1e-5
+    )
+    converted.save_pretrained(tmp_path)
+    reloaded = type(converted).from_pretrained(tmp_path)
+    assert reloaded.config.source_sliding_windows == converted.config.source_sliding_windows
+
+
+def test_source_sliding_windows_must_name_layers_and_windows():
+    config_class = LLAMA_LIKE_CONFIGS["Mistral"]
+    with pytest.raises(ValueError, match=r"source_sliding_windows has keys \['7'\]; expected layer indices in 0..1"):
+        config_class(**SHAPE, source_sliding_windows={"7": 4})
+    with pytest.raises(ValueError, match=r"source_sliding_windows=\{'0': 0\}; expected None or a mapping"):
+        config_class(**SHAPE, source_sliding_windows={"0": 0})
+    assert config_class(**SHAPE, source_sliding_windows={0: 4}).source_sliding_windows == {"0": 4}
+
+
 def test_a_sliding_layer_left_exact_in_a_hybrid_keeps_its_window(caplog):
     """Qwen2 with a sliding window in layer 1: converting layer 0 leaves layer 1 sliding-window softmax (decoded
     from a KV cache); converting both logs that layer 1 now reads every earlier position."""

@@ -76,6 +76,26 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
                 f"(AttentionSpec(window=W) in layer_attention); expected None or only {KV_LAYER_TYPE!r} entries"
             )
 
+    def check_source_sliding_windows(self) -> None:
+        """`source_sliding_windows`, where the family has it: None or `{layer index: W >= 1}` (keys stored as
+        strings)."""
+        windows = getattr(self, "source_sliding_windows", None)
+        if windows is None:
+            return
+        if not isinstance(windows, dict) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in windows.values()
+        ):
+            raise ValueError(
+                f"source_sliding_windows={windows!r}; expected None or a mapping of layer index to a window >= 1"
+            )
+        layers = [str(i) for i in range(self.num_hidden_layers)]
+        if any(str(key) not in layers for key in windows):
+            raise ValueError(
+                f"source_sliding_windows has keys {sorted(map(str, windows))}; expected layer indices in "
+                f"0..{self.num_hidden_layers - 1}"
+            )
+        self.source_sliding_windows = {str(key): window for key, window in windows.items()}
+
     def validate_sliding_window(self) -> None:
         """Part of `@strict` validation (after the family's `__post_init__`, which may clear the window)."""
         window = getattr(self, "sliding_window", None)
@@ -105,9 +125,11 @@ class SoftmaxRNNLlamaLikeConfigMixin(SoftmaxRNNConfigMixin):
 def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
     """`SoftmaxRNN<Family>Config`: the family's config plus the attention choice (`attention`,
     `layer_attention`, `attention_mode`, as `SoftmaxRNNLlamaConfig` has them), `sliding_window` and
-    `attn_logit_softcapping` None by default; for a family with one RoPE per layer type, `rope_layer_types`: the
-    key of `rope_parameters` each layer rotates q and k with (the source's `layer_types`; None: every layer
-    the full-attention RoPE)."""
+    `attn_logit_softcapping` None by default, and where the family has sliding windows `source_sliding_windows`
+    (`{layer index: W}`, as strings: the converted layers that were sliding-window attention in the source, whose
+    attention-transfer teacher keeps that window; None: none); for a family with one RoPE per layer type,
+    `rope_layer_types`: the key of `rope_parameters` each layer rotates q and k with (the source's `layer_types`;
+    None: every layer the full-attention RoPE)."""
 
     @strict
     class SoftmaxRNNLlamaLikeConfig(SoftmaxRNNLlamaLikeConfigMixin, family.config_class):
@@ -119,6 +141,7 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
         attention_mode: str = "chunked"
         if declares(family.config_class, "sliding_window"):
             sliding_window: int | None = None
+            source_sliding_windows: dict | None = None
         if declares(family.config_class, "attn_logit_softcapping"):
             attn_logit_softcapping: float | None = None
         if family.rope_per_layer_type:
@@ -126,6 +149,7 @@ def llama_like_config_class(family: LlamaLikeFamily) -> type[PreTrainedConfig]:
 
         def __post_init__(self, **kwargs: Any) -> None:
             self.validate_attention()
+            self.check_source_sliding_windows()
             if family.rope_per_layer_type and self.rope_layer_types is None:
                 self.rope_layer_types = [KV_LAYER_TYPE] * self.num_hidden_layers
             super().__post_init__(**kwargs)
