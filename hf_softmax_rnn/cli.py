@@ -75,9 +75,10 @@ def subcommand_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
     return parser, module
 
 
-def check_flags_given_once(parser: argparse.ArgumentParser, tokens: list[str]) -> None:
-    """Refuse a flag given more than once (argparse would keep the last and drop the others unseen), under
-    any of its spellings: `--flag value`, `--flag=value` or an abbreviation argparse accepts."""
+def warn_flags_given_twice(parser: argparse.ArgumentParser, tokens: list[str]) -> None:
+    """Log a WARNING for each flag given more than once, under any of its spellings (`--flag value`,
+    `--flag=value`, an abbreviation argparse accepts): argparse keeps the last value, which overrides the
+    earlier ones (a command line built as base flags plus overrides), and says nothing."""
     options = parser._option_string_actions  # (argparse's own table of every spelling of every flag)
     given: dict[str, list[str]] = {}
     for token in tokens:
@@ -89,13 +90,14 @@ def check_flags_given_once(parser: argparse.ArgumentParser, tokens: list[str]) -
         matches = [options[name]] if name in options else [a for o, a in options.items() if o.startswith(name)]
         if len({id(action) for action in matches}) == 1 and matches[0].option_strings:
             given.setdefault(max(matches[0].option_strings, key=len), []).append(token)
-    repeated = {flag: spellings for flag, spellings in given.items() if len(spellings) > 1}
-    if repeated:
-        flag, spellings = next(iter(repeated.items()))
-        raise UserInputError(
-            f"{flag} is given {len(spellings)} times ({', '.join(spellings)}); argparse would keep only the "
-            "last: give each flag once"
-        )
+    for flag, spellings in given.items():
+        if len(spellings) > 1:
+            logger.warning(
+                "%s is given %d times (%s): the last one given is used, the others are ignored",
+                flag,
+                len(spellings),
+                ", ".join(spellings),
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sub.parse_args(tokens)
     logging.basicConfig(level=known.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_flags_given_once(sub, tokens)
+        warn_flags_given_twice(sub, tokens)
         check_environment()
         check_output_folders(args)
         report = module.run(args)

@@ -3,6 +3,7 @@
 import argparse
 import ast
 import dataclasses
+import logging
 import sys
 import types
 from pathlib import Path
@@ -232,25 +233,30 @@ def flagged_command(fake_command):
 
 
 @pytest.mark.parametrize(
-    "argv, flag",
+    "argv, flag, steps",
     [
-        (["--steps", "2", "--steps", "3"], "--steps"),
-        (["--steps=2", "--steps", "3"], "--steps"),
-        (["--steps", "2", "--ste", "3"], "--steps"),
-        (["--lengths", "8", "16", "--lengths", "32"], "--lengths"),
-        (["--no-progress", "--no-progress"], "--no-progress"),
+        (["--steps", "2", "--steps", "3"], "--steps", 3),
+        (["--steps=2", "--steps", "3"], "--steps", 3),
+        (["--steps", "2", "--ste", "3"], "--steps", 3),
+        (["--lengths", "8", "16", "--lengths", "32"], "--lengths", 1),
+        (["--no-progress", "--no-progress"], "--no-progress", 1),
     ],
     ids=["twice", "with-equals", "abbreviated", "list", "switch"],
 )
-def test_a_flag_given_twice_is_refused_before_the_command_runs(flagged_command, capsys, argv, flag):
-    assert cli.main(["fake", *argv]) == 2
-    assert flagged_command.seen == []
-    err = capsys.readouterr().err
-    assert err.startswith(f"hf-softmax-rnn fake: error: {flag} is given 2 times (")
-    assert all(token.split("=")[0] in err for token in argv if token.startswith("-"))
+def test_a_flag_given_twice_is_named_in_a_warning_and_the_last_is_used(flagged_command, caplog, argv, flag, steps):
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn.cli"):
+        assert cli.main(["fake", *argv]) == 0
+    (args,) = flagged_command.seen
+    assert args.steps == steps
+    assert list(args.lengths) == ([32] if flag == "--lengths" else [8])
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and record.getMessage().startswith(f"{flag} is given 2 times (")
+    assert all(token.split("=")[0] in record.getMessage() for token in argv if token.startswith("-"))
 
 
-def test_flags_given_once_run_with_their_values(flagged_command):
-    assert cli.main(["fake", "--steps", "-2", "--lengths", "8", "16", "--no-progress"]) == 0
+def test_flags_given_once_run_with_their_values_and_no_warning(flagged_command, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_softmax_rnn.cli"):
+        assert cli.main(["fake", "--steps", "-2", "--lengths", "8", "16", "--no-progress"]) == 0
     (args,) = flagged_command.seen
     assert (args.steps, args.lengths, args.progress) == (-2, [8, 16], False)
+    assert not caplog.records
