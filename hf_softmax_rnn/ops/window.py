@@ -15,12 +15,13 @@ block of C queries meets C + W keys, so time and memory are O(L (C + W)), never 
 `window_saliency` runs its scores alone, for the saliencies that rank the window's keys (`ops.kept`)
 where another kernel computes the exact part itself.
 
-Without autograd on a CPU (prefill, scoring, evaluation), a block part whose scores are not needed
-otherwise (the window of a hybrid without kept keys; the kept keys' part, `ops.kept`) runs in PyTorch's
-fused CPU flash-attention kernel with the block mask (`flash_block_part`): one pass instead of five over
-a block's scores. It returns the log-sum-exp as the row's shift, which the merges and the finite part's
-weight take as they take the row max; so only where the normaliser divides by the denominator (the
-softmax normaliser: the others see the shift through their eps or their counts).
+On a CPU, a block part whose scores are not needed otherwise (the window of a hybrid without kept keys;
+the kept keys' part, `ops.kept`) runs in PyTorch's fused CPU flash-attention kernel with the block mask
+(`flash_block_part`): one pass instead of five over a block's scores. With autograd (training) its
+backward is the kernel's too, for blocks of at least `FLASH_MIN_KEYS_WITH_AUTOGRAD` keys. It returns the
+log-sum-exp as the row's shift, which the merges and the finite part's weight take as they take the row
+max; so only where the normaliser divides by the denominator (the softmax normaliser: the others see the
+shift through their eps or their counts).
 
 With a cap of the scores (`softcap` c, Gemma 2's `attn_logit_softcapping`), every exact score x is
 c tanh(x / c) before its exp (`ops.kernels.soft_cap`): in the band, the sinks, the kept keys and the
@@ -34,6 +35,11 @@ import torch.nn.functional as F
 
 from hf_softmax_rnn.ops.grouping import grouped_matmul
 from hf_softmax_rnn.ops.kernels import finite_or_zero, row_shift, soft_cap
+
+#: With autograd, the fused CPU kernel's forward and backward pay only on blocks this wide or wider: one layer's
+#: forward and backward at 4,096 positions took 0.85x the block forms' time over the kept keys' blocks of 320
+#: and of up to 2,112 keys, 1.0x at 2,048 positions (blocks of 320), and 1.1x over a window of 64's bands of 128.
+FLASH_MIN_KEYS_WITH_AUTOGRAD = 256
 
 
 def banded_exp_attention(
@@ -172,27 +178,30 @@ def _flash_band(q, keys, values, key_valid, scale, window, block) -> tuple[torch
 
 
 def flash_applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `flash_block_part` can compute a block part of these inputs: on a CPU, eager, without autograd
-    (the kernel returns the log-sum-exp without its gradient), with values one column (the weight
-    column) wider than the keys, as the kernel reads values of the keys' width, and a weight column of
-    ones and zeros, zero only on rows that are zero throughout (as `ops.attention` builds it: 0 at
-    padding and for a sink on its way to the finite state), so that a row of weight 0 is a row left out."""
+    """Whether `flash_block_part` can compute a block part of these inputs: on a CPU, eager, with values
+    one column (the weight column) wider than the keys, as the kernel reads values of the keys' width, and
+    a weight column of ones and zeros, zero only on rows that are zero throughout (as `ops.attention`
+    builds it: 0 at padding and for a sink on its way to the finite state), so that a row of weight 0 is
+    a row left out. With autograd the weight column takes no gradient (it is the padding mask), and only
+    blocks of at least `FLASH_MIN_KEYS_WITH_AUTOGRAD` keys take the kernel."""
+    training = torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values))
     if not (
         q.device.type == "cpu"
+        and not (training and keys.shape[-2] < FLASH_MIN_KEYS_WITH_AUTOGRAD)
         and not torch.compiler.is_compiling()  # (compiled, the block forms fuse; the weight check is data-dependent)
-        and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, keys, values)))
         and values.shape[-1] == keys.shape[-1] + 1
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     ):
         return False
-    weight = values[..., -1]
-    return bool(((weight == 1) | ((weight == 0) & ~values[..., :-1].any(-1))).all())
+    weight = values[..., -1].detach()
+    return bool(((weight == 1) | ((weight == 0) & ~values[..., :-1].detach().any(-1))).all())
 
 
 def flash_block_part(
     q_blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block part through PyTorch's fused CPU flash-attention kernel (no autograd; `flash_applies`).
+    """A block part through PyTorch's fused CPU flash-attention kernel, forward and backward (`_FlashPart`;
+    `flash_applies`).
 
     Args:
         q_blocks: `[B, Hkv, blocks, G * C, D]` (`query_blocks`).
@@ -213,22 +222,59 @@ def flash_block_part(
     groups = rows // block
     flat = batch * kv_heads * blocks
     visible = visible & (values[..., -1] != 0)[..., None, :]  # [B, Hkv, blocks, C, N]
-    mask = torch.zeros(visible.shape, dtype=q_blocks.dtype, device=q_blocks.device).masked_fill_(~visible, -torch.inf)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    seen = visible.any(-1)  # [B, Hkv, blocks, C]
+    # (a row that sees nothing is scored over every key, then zeroed: a row of -inf only would give NaN)
+    hidden = ~(visible | ~seen[..., None])
+    mask = torch.zeros(hidden.shape, dtype=q_blocks.dtype, device=q_blocks.device).masked_fill_(hidden, -torch.inf)
+    seen = seen[:, :, :, None].expand(batch, kv_heads, blocks, groups, block).reshape(flat, groups, block, 1)
+    numerator, lse = _FlashPart.apply(
         q_blocks.reshape(flat, groups, block, head_dim),
         keys.reshape(flat, 1, width, head_dim).expand(flat, groups, width, head_dim),
         values[..., :head_dim].reshape(flat, 1, width, head_dim).expand(flat, groups, width, head_dim),
-        0.0,
-        False,
-        attn_mask=mask.view(flat, 1, block, width),
-        scale=scale,
+        mask.view(flat, 1, block, width),
+        seen,
+        scale,
     )
-    seen = visible.any(-1)[:, :, :, None].expand(batch, kv_heads, blocks, groups, block)
-    seen = seen.reshape(*q_blocks.shape[:-1], 1)
-    out = out.reshape(q_blocks.shape).masked_fill_(~seen, 0.0)  # (a row that sees nothing: 0, never NaN)
-    numerator = torch.cat([out, seen.to(out.dtype)], dim=-1)
-    shift = lse.reshape(*q_blocks.shape[:-1], 1).masked_fill(~seen, -torch.inf)
-    return numerator, shift
+    shift = lse.view(*q_blocks.shape[:-1], 1)
+    return numerator.view(*q_blocks.shape[:-1], head_dim + 1), shift
+
+
+class _FlashPart(torch.autograd.Function):
+    """[softmax(x) v, 1] and the log-sum-exp of x = scale q.k + mask through the fused CPU kernel: the
+    numerator sum_j e^{x_j - s} [v_j, 1] under the shift s = lse, taken (as every shift of the exact part)
+    as a constant of the backward pass.
+
+    With s constant, the numerator's gradient is that of (O, lse) = (softmax(x) v, lse) for dO = g_v and
+    dlse = g_v . O + g_1 (g_v, g_1: the gradients of its value columns and its weight column). The kernel's
+    backward takes dlse through the `out` it is given, which it reads only in delta = rowsum(dO * out):
+    dS = P (dP - delta) + dlse P needs delta - dlse = -g_1 there, so it is given out = -g_1 dO / |dO|^2
+    (0 where dO is 0; g_1 is then 0 too, both coming from the same output gradient). Rows with `seen`
+    False are 0 with lse -inf and take no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, seen, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, mask, seen, out, lse)
+        ctx.scale = scale
+        numerator = torch.cat([out, seen.to(out.dtype)], dim=-1).masked_fill_(~seen, 0.0)
+        shift = lse[..., None].masked_fill(~seen, -torch.inf)
+        ctx.mark_non_differentiable(shift)
+        return numerator, shift
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_numerator, _):
+        q, k, v, mask, seen, out, lse = ctx.saved_tensors
+        grad_numerator = grad_numerator.masked_fill(~seen, 0.0)
+        grad_out, grad_weight = grad_numerator[..., :-1].contiguous(), grad_numerator[..., -1:]
+        norm = grad_out.square().sum(-1, keepdim=True)
+        delta_out = torch.where(norm > 0, -grad_weight / norm, 0.0) * grad_out
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, delta_out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale
+        )
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def query_blocks(q: torch.Tensor, blocks: int, block: int) -> torch.Tensor:

@@ -427,28 +427,89 @@ def _counting_fused_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def _blocks_only(monkeypatch) -> None:
+    """Make the ops take the block forms where they would take the fused CPU kernel."""
+    for module in (window_module, kept_module):
+        monkeypatch.setattr(module, "flash_applies", lambda *args: False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name", sorted(FUSED_CPU_SPECS))
-def test_the_fused_cpu_kernel_gives_the_block_forms_output(name, dtype, monkeypatch):
-    """Without autograd the exact part runs in PyTorch's fused CPU kernel, under the log-sum-exp; with
-    autograd the block forms run it under the row max: the same outputs and states, padding included."""
+def test_the_fused_cpu_kernel_gives_the_block_forms_output_and_gradients(name, dtype, monkeypatch):
+    """The exact part in PyTorch's fused CPU kernel, under the log-sum-exp, with and without autograd: the
+    block forms' outputs, states and gradients (q, k, v, the learned maps and weights, the decay), padding
+    included. The minimum width is lowered so that these small blocks take the kernel with autograd too."""
     spec = FUSED_CPU_SPECS[name]
+    monkeypatch.setattr(window_module, "FLASH_MIN_KEYS_WITH_AUTOGRAD", 1)
     q, k, v, gate_logits = make_inputs(length=23, dtype=dtype)
-    params = as_params(make_params(spec, dtype=dtype))
-    gates = {"decay": F.logsigmoid(gate_logits["decay"])} if spec.decay else {}
     mask = left_padding_mask(2, 23, [0, 5])
+    rows = mask[:, None, :, None]
+    weights = torch.linspace(-1, 1, v.shape[-1], dtype=dtype)
+
+    def run():
+        params = as_params(make_params(spec, dtype=dtype))
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        learned = [x for x in (params.hedgehog_q, params.hedgehog_k, params.linear_log_scale) if x is not None]
+        learned = [x.requires_grad_() for x in learned]
+        gates = {"decay": F.logsigmoid(gate_logits["decay"]).requires_grad_()} if spec.decay else {}
+        out, state = attention(*leaves, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
+        inputs = [*leaves, *learned, *gates.values()]
+        loss = (out * rows * weights).square().sum()
+        return out * rows, state, torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+
     calls = _counting_fused_calls(monkeypatch)
     with torch.no_grad():
+        gates = {"decay": F.logsigmoid(gate_logits["decay"])} if spec.decay else {}
+        params = as_params(make_params(spec, dtype=dtype))
         fused, fused_state = attention(q, k, v, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
     assert calls, "the fused CPU kernel did not run"
     calls.clear()
-    leaf = q.clone().requires_grad_()
-    blocks, blocks_state = attention(leaf, k, v, spec, mode="chunked", attention_mask=mask, params=params, gates=gates)
-    assert not calls
-    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
-    rows = mask[:, None, :, None]
-    torch.testing.assert_close(fused * rows, blocks.detach() * rows, **tolerance)
+    trained, trained_state, trained_grads = run()
+    assert calls, "the fused CPU kernel did not run with autograd"
+    _blocks_only(monkeypatch)
+    blocks, blocks_state, block_grads = run()
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 2e-5}
+    torch.testing.assert_close(fused * rows, blocks.detach(), **tolerance)
+    torch.testing.assert_close(trained.detach(), blocks.detach(), **tolerance)
     torch.testing.assert_close(fused_state.packed, blocks_state.packed.detach(), **tolerance)
+    torch.testing.assert_close(trained_state.packed.detach(), blocks_state.packed.detach(), **tolerance)
+    for got, want in zip(trained_grads, block_grads, strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_narrow_blocks_keep_the_block_forms_with_autograd(monkeypatch):
+    """With autograd a window of 5 (bands of 9 keys) stays in the block forms, where the kernel's backward
+    does not pay; without, it takes the kernel."""
+    spec = FUSED_CPU_SPECS["elu_w5"]
+    q, k, v, _ = make_inputs(length=12)
+    calls = _counting_fused_calls(monkeypatch)
+    attention(q.clone().requires_grad_(), k, v, spec, mode="chunked", params=as_params(make_params(spec)))
+    assert not calls
+    with torch.no_grad():
+        attention(q, k, v, spec, mode="chunked", params=as_params(make_params(spec)))
+    assert calls
+
+
+def test_the_fused_cpu_block_part_has_the_gradients_of_its_shift_free_uses():
+    """`flash_block_part` under autograd, float64 gradcheck of a use that does not depend on the shift (the
+    merge with another part under it, then the division by the denominator, as the ops use it): the shift is
+    a constant of the backward pass, as every exact part's row shift is."""
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, blocks, groups, block, width, dim = 1, 2, 2, 2, 3, 5, 4
+    q = torch.randn(batch, kv_heads, blocks, groups * block, dim, dtype=torch.float64, generator=generator)
+    keys = torch.randn(batch, kv_heads, blocks, width, dim, dtype=torch.float64, generator=generator)
+    values = torch.randn(batch, kv_heads, blocks, width, dim, dtype=torch.float64, generator=generator)
+    visible = torch.rand(batch, kv_heads, blocks, block, width, generator=generator) > 0.3
+    visible[0, 0, 0, 0] = False  # a row that sees nothing
+    other = torch.linspace(-1, 1, dim, dtype=torch.float64)
+
+    def merged(q, keys, values):
+        augmented = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+        numerator, shift = window_module.flash_block_part(q, keys, augmented, visible, 0.4)
+        weight = torch.exp(0.3 - shift).nan_to_num(0.0)  # another part's mass under the shift
+        return (numerator[..., :dim] + weight * other) / (numerator[..., dim:] + weight * 0.7)
+
+    assert torch.autograd.gradcheck(merged, [x.requires_grad_() for x in (q, keys, values)])
 
 
 def test_other_normalisers_keep_the_row_max(monkeypatch):
@@ -464,9 +525,9 @@ def test_other_normalisers_keep_the_row_max(monkeypatch):
 @pytest.mark.parametrize(
     ("case", "applies"),
     [("ones_and_zero_rows", True), ("a_weight_of_one_half", False), ("a_zero_weight_on_a_row_with_values", False),
-     ("values_as_wide_as_keys", False), ("autograd", False)],
+     ("values_as_wide_as_keys", False), ("autograd", True), ("autograd_narrow_blocks", False)],
 )  # fmt: skip
-def test_the_fused_cpu_kernel_takes_only_weight_columns_it_can_leave_out(case, applies):
+def test_the_fused_cpu_kernel_takes_only_weight_columns_it_can_leave_out(case, applies, monkeypatch):
     q, keys = torch.randn(1, 2, 3, 6, 4), torch.randn(1, 2, 3, 5, 4)
     values = torch.cat([torch.randn(1, 2, 3, 5, 4), torch.ones(1, 2, 3, 5, 1)], dim=-1)
     values[..., 1, :] = 0.0  # a padding row: weight 0, values 0
@@ -477,6 +538,10 @@ def test_the_fused_cpu_kernel_takes_only_weight_columns_it_can_leave_out(case, a
     elif case == "values_as_wide_as_keys":
         values = values[..., :-1]
     elif case == "autograd":
+        monkeypatch.setattr(window_module, "FLASH_MIN_KEYS_WITH_AUTOGRAD", 5)
+        q.requires_grad_()
+    elif case == "autograd_narrow_blocks":
+        monkeypatch.setattr(window_module, "FLASH_MIN_KEYS_WITH_AUTOGRAD", 6)
         q.requires_grad_()
     assert window_module.flash_applies(q, keys, values) is applies
 
